@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code; edit proto/*.proto and run scripts/gen_proto.py."""

@@ -1,0 +1,212 @@
+from . import wire_pb2 as _wire_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelConfig(_message.Message):
+    __slots__ = ("n_layers", "d_model", "n_heads", "vocab_size", "context", "seed")
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    D_MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_HEADS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    context: int
+    seed: int
+    def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., vocab_size: _Optional[int] = ..., context: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TrainConfig(_message.Message):
+    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip")
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    DATA_SEED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
+    EVAL_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
+    micro_batches: int
+    micro_batch_size: int
+    lr: float
+    weight_decay: float
+    data_seed: int
+    data: str
+    eval_every: int
+    eval_batches: int
+    schedule: str
+    wire_forward: _wire_pb2.Codec
+    wire_backward: _wire_pb2.Codec
+    warmup_steps: float
+    grad_clip: float
+    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("peer_id", "endpoint", "protocol_version", "device", "free_memory", "software_version")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FREE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    endpoint: str
+    protocol_version: int
+    device: str
+    free_memory: int
+    software_version: str
+    def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., device: _Optional[str] = ..., free_memory: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    stage: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    model: ModelConfig
+    train: TrainConfig
+    upstream_endpoint: str
+    downstream_endpoint: str
+    upstream_peer: str
+    downstream_peer: str
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ...) -> None: ...
+
+class Start(_message.Message):
+    __slots__ = ("first_step", "num_steps")
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    first_step: int
+    num_steps: int
+    def __init__(self, first_step: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
+
+class CollectState(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("assign", "start", "collect_state", "shutdown")
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    COLLECT_STATE_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    assign: Assignment
+    start: Start
+    collect_state: CollectState
+    shutdown: Shutdown
+    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused")
+    FORWARD_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    forward_micro_batches: int
+    backward_micro_batches: int
+    bytes_sent: int
+    bytes_received: int
+    compute_seconds: float
+    weight_version: int
+    refused: int
+    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step", "loss", "tokens", "seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class EvalResult(_message.Message):
+    __slots__ = ("step", "loss", "tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    tokens: int
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class StatusReport(_message.Message):
+    __slots__ = ("peer_id", "ready", "stats", "steps", "evals", "finished", "error")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    ready: bool
+    stats: StageStats
+    steps: _containers.RepeatedCompositeFieldContainer[StepResult]
+    evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
+    finished: bool
+    error: str
+    def __init__(self, peer_id: _Optional[str] = ..., ready: _Optional[bool] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: _wire_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_wire_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("peer_id", "stage", "tensors")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    stage: int
+    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: int
+    def __init__(self, tensors: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,144 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    FP32: _ClassVar[Codec]
+    FP16: _ClassVar[Codec]
+    BF16: _ClassVar[Codec]
+    INT8: _ClassVar[Codec]
+    INT4: _ClassVar[Codec]
+    INT4_ROT: _ClassVar[Codec]
+    RAW: _ClassVar[Codec]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+INT32: DType
+INT16: DType
+UINT8: DType
+CODEC_UNSPECIFIED: Codec
+FP32: Codec
+FP16: Codec
+BF16: Codec
+INT8: Codec
+INT4: Codec
+INT4_ROT: Codec
+RAW: Codec
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec: Codec
+    payload: bytes
+    scales: bytes
+    block_size: int
+    seed: int
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class MicroBatch(_message.Message):
+    __slots__ = ("id", "step", "index", "weight_version", "eval")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    step: int
+    index: int
+    weight_version: int
+    eval: bool
+    def __init__(self, id: _Optional[int] = ..., step: _Optional[int] = ..., index: _Optional[int] = ..., weight_version: _Optional[int] = ..., eval: _Optional[bool] = ...) -> None: ...
+
+class Activations(_message.Message):
+    __slots__ = ("mb", "hidden", "targets")
+    MB_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    mb: MicroBatch
+    hidden: Tensor
+    targets: Tensor
+    def __init__(self, mb: _Optional[_Union[MicroBatch, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Gradients(_message.Message):
+    __slots__ = ("mb", "grad", "loss_sum", "tokens")
+    MB_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    mb: MicroBatch
+    grad: Tensor
+    loss_sum: float
+    tokens: int
+    def __init__(self, mb: _Optional[_Union[MicroBatch, _Mapping]] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("peer_id", "protocol_version", "stage", "run_id")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    protocol_version: int
+    stage: int
+    run_id: str
+    def __init__(self, peer_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., stage: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("mb_id", "reason")
+    MB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    mb_id: int
+    reason: str
+    def __init__(self, mb_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Packet(_message.Message):
+    __slots__ = ("hello", "activations", "gradients", "refusal")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    activations: Activations
+    gradients: Gradients
+    refusal: Refusal
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., gradients: _Optional[_Union[Gradients, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("packet_id", "data", "last", "total_size")
+    PACKET_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    packet_id: int
+    data: bytes
+    last: bool
+    total_size: int
+    def __init__(self, packet_id: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_size: _Optional[int] = ...) -> None: ...
