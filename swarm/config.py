@@ -1,0 +1,70 @@
+"""Typed configuration shared by every process of a run.
+
+One object per concern instead of keyword arguments threaded through constructors: the coordinator
+builds these once and sends them to every peer in its assignment, so all peers agree on the model
+and the training recipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only GPT; byte-level vocabulary by default."""
+
+    n_layers: int = 6
+    d_model: int = 128
+    n_heads: int = 4
+    vocab_size: int = 256
+    context: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.n_layers, self.d_model, self.n_heads, self.vocab_size, self.context) <= 0:
+            raise ValueError(f"model dimensions must be positive: {self}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "gpt-tiny": ModelConfig(n_layers=3, d_model=64, n_heads=2, context=64),
+    "gpt-small": ModelConfig(n_layers=6, d_model=128, n_heads=4, context=128),
+    "gpt-medium": ModelConfig(n_layers=6, d_model=256, n_heads=8, context=128),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training recipe; every stage applies the same one to its own parameters."""
+
+    steps: int = 300
+    micro_batches: int = 4
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+    grad_clip: float = 0.0
+    data: str = "stdlib"
+    data_seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    schedule: str = "sync"
+    wire_forward: str = "fp32"
+    wire_backward: str = "fp32"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.micro_batches <= 0 or self.micro_batch_size <= 0 or self.steps < 0:
+            raise ValueError(f"steps, micro_batches and micro_batch_size must be positive: {self}")
+        if self.schedule != "sync":
+            raise ValueError(f"unknown schedule {self.schedule!r}; available: sync")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up then constant: short runs must still learn, long ones must not diverge."""
+        if self.warmup_steps <= 0:
+            return self.lr
+        return self.lr * min(1.0, (step + 1) / self.warmup_steps)
