@@ -107,6 +107,10 @@ class CollectState(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StopTraining(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Shutdown(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -114,16 +118,18 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("assign", "start", "collect_state", "shutdown")
+    __slots__ = ("assign", "start", "collect_state", "shutdown", "stop_training")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COLLECT_STATE_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    STOP_TRAINING_FIELD_NUMBER: _ClassVar[int]
     assign: Assignment
     start: Start
     collect_state: CollectState
     shutdown: Shutdown
-    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    stop_training: StopTraining
+    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stop_training: _Optional[_Union[StopTraining, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
     __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused")

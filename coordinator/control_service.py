@@ -1,0 +1,79 @@
+"""The coordinator's gRPC face: peers join, report, and upload their blocks here.
+
+It only translates between the wire and the ``SwarmRun`` that owns all decisions; every bad request
+gets a gRPC status naming what to fix (wrong protocol version, bad endpoint, duplicate name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from swarm.config import PROTOCOL_VERSION
+from swarm.endpoints import EndpointError, endpoint_to_target
+from swarm.pb import control_pb2 as cpb
+from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.wire import Reassembler, WireError, tensor_from_pb
+
+if TYPE_CHECKING:
+    from coordinator.swarm_run import SwarmRun
+
+log = logging.getLogger(__name__)
+MAX_STATE_BYTES = 8 << 30
+
+
+class ControlService(cgrpc.ControlServicer):
+    def __init__(self, run: SwarmRun) -> None:
+        self.run = run
+
+    async def Join(self, request: cpb.JoinRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if request.protocol_version != PROTOCOL_VERSION:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer speaks protocol version {request.protocol_version}, this coordinator speaks "
+                f"{PROTOCOL_VERSION}; install a matching ravn-swarm release",
+            )
+        try:
+            endpoint_to_target(request.endpoint)
+        except EndpointError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not request.peer_id or len(request.peer_id) > 128:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer_id must be 1..128 characters")
+        try:
+            session = self.run.register(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        try:
+            while True:
+                command = await session.commands.get()
+                if command is None:
+                    return
+                yield command
+        except asyncio.CancelledError:
+            self.run.lost(session.peer_id, "its control stream was cancelled")
+            raise
+
+    async def Report(self, request: cpb.StatusReport, context: grpc.aio.ServicerContext) -> cpb.ReportReply:  # noqa: N802
+        if not self.run.known(request.peer_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {request.peer_id!r} has not joined this run")
+        self.run.on_report(request)
+        return cpb.ReportReply()
+
+    async def UploadState(self, request_iterator, context: grpc.aio.ServicerContext) -> cpb.UploadReply:  # noqa: N802
+        reasm = Reassembler(max_packet_bytes=MAX_STATE_BYTES, message_type=cpb.StateChunk)
+        chunk = None
+        try:
+            async for frame in request_iterator:
+                chunk = reasm.push(frame)
+            if chunk is None:
+                raise WireError("upload ended before its last frame")
+            if not self.run.known(chunk.peer_id):
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {chunk.peer_id!r} has not joined this run")
+            tensors = {t.name: tensor_from_pb(t.tensor, max_elements=1 << 31) for t in chunk.tensors}
+        except WireError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.run.on_state(chunk.peer_id, chunk.stage, tensors)
+        return cpb.UploadReply(tensors=len(tensors))

@@ -1,0 +1,111 @@
+"""``ravn local``: a whole swarm on one machine — this process coordinates, N peer processes train.
+
+The peers are real OS processes talking gRPC over loopback, exactly as they would across the
+internet. Every child is tied to this process (its own session, plus a parent-death signal it
+arms itself on Linux), so Ctrl-C or a crash here leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.swarm_run import RunSettings, SwarmRun
+from swarm.lifecycle import DIE_WITH_PARENT_ENV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def spawn_peer(name: str, coordinator: str, log_dir: Path, threads: int, device: str) -> PeerProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "peer.cli", "join", "--coordinator", coordinator, "--name", name,
+           "--threads", str(threads), "--device", device]
+    out = log_path.open("w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(threads, 1)),
+           DIE_WITH_PARENT_ENV: str(os.getpid())}
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+    out.close()
+    return PeerProcess(name, proc, log_path)
+
+
+def stop_processes(peers: list[PeerProcess], grace: float = 15.0) -> None:
+    """Wait for peers to leave on their own, then SIGTERM, then SIGKILL: nothing survives."""
+    deadline = time.monotonic() + grace
+    for p in peers:
+        try:
+            p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.proc.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in peers:
+        try:
+            p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait()
+
+
+async def run_local(settings: RunSettings, *, threads: int, device: str) -> int:
+    """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
+    run = SwarmRun(settings)
+    port = await run.start_server()
+    coordinator = f"127.0.0.1:{port}"
+    run.progress.message(f"coordinator on {coordinator}; run {settings.name} in {settings.run_dir}")
+    loop = asyncio.get_running_loop()
+    interrupts = 0
+
+    def on_signal() -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            run.request_stop()
+        else:
+            for p in peers:
+                p.proc.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    peers: list[PeerProcess] = []
+    watcher = None
+    try:
+        for i in range(settings.peers):
+            peers.append(spawn_peer(f"peer-{i}", coordinator, settings.run_dir / "logs", threads, device))
+        run.progress.message(f"started {len(peers)} peers; logs in {settings.run_dir / 'logs'}")
+        watcher = asyncio.create_task(_watch(peers, run))
+        code = await run.run()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await run.stop_server()
+        await asyncio.to_thread(stop_processes, peers)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return code
+
+
+async def _watch(peers: list[PeerProcess], run: SwarmRun) -> None:
+    """A peer process that dies is a failed run, with the place to look."""
+    while True:
+        for p in peers:
+            rc = p.proc.poll()
+            if rc is not None and rc != 0:
+                tail = p.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+                run.fail(f"{p.name} exited with code {rc}; see {p.log_path}: " + " | ".join(tail))
+                return
+        await asyncio.sleep(0.5)

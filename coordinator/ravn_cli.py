@@ -1,0 +1,51 @@
+"""``ravn``: the swarm on your laptop (``ravn local``) and, later, a view of any swarm."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+import uvloop
+
+from coordinator.local_swarm import run_local
+from coordinator.options import RunOptions, with_train_options
+from coordinator.swarm_run import RunSettings
+from swarm.logs import setup_logging
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+@app.callback()
+def _main() -> None:
+    """Ravn: train transformers across many small machines."""
+
+
+@app.command()
+@with_train_options
+def local(
+    options: RunOptions,
+    peers: Annotated[int, typer.Option(min=1, help="Peer processes to start (one pipeline stage each).")] = 3,
+    threads: Annotated[int, typer.Option(min=0, help="Compute threads per peer (0: cores / peers).")] = 0,
+    device: Annotated[str, typer.Option(help="'auto' (CUDA when present), 'cpu' or 'cuda'.")] = "auto",
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
+) -> None:
+    """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
+    setup_logging(log_level)
+    model = options.model_config()
+    if peers > model.n_layers:
+        raise typer.BadParameter(f"{options.model} has {model.n_layers} layers; use at most that many peers",
+                                 param_hint="--peers")
+    name = options.run_name()
+    settings = RunSettings(name=name, run_dir=options.runs_dir / name, model=model, train=options.train_config(),
+                           peers=peers, model_name=options.model)
+    threads = threads or max(1, (os.cpu_count() or 1) // peers)
+    raise typer.Exit(uvloop.run(run_local(settings, threads=threads, device=device)))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""The peer daemon: one block of layers behind a gRPC Stage service, steered by the coordinator.
+
+Lifecycle: start the Stage server, join the coordinator (dialled by us: works behind NAT), then obey
+its commands in order: assign (build the block, link to the downstream neighbour), start (the first
+stage drives training), collect state (upload the block), shutdown. Compute runs on one dedicated
+thread so the event loop keeps receiving and sending while a micro-batch is being computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from peer.driver import SyncDriver
+from peer.stage_service import StageService
+from swarm.codec_policy import WirePolicy
+from swarm.config import PROTOCOL_VERSION
+from swarm.endpoints import endpoint_to_target, target_to_endpoint
+from swarm.messages import assignment_configs
+from swarm.pb import control_pb2 as cpb
+from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.pb import wire_pb2 as pb
+from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.stage_runner import StageInputError, StageRunner
+from swarm.transport import GRPC_OPTIONS, Link, LinkClosed, hello_packet, read_hello, refuse_client_stream
+from swarm.wire import WireError, split_packet
+
+log = logging.getLogger(__name__)
+SOFTWARE_VERSION = "0.1.0"
+
+
+@dataclass
+class PeerSettings:
+    """Everything a peer needs to know before it has an assignment."""
+
+    coordinator: str
+    peer_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "auto"
+    threads: int = 0
+    report_interval: float = 1.0
+    step_timeout: float = 300.0
+    link_timeout: float = 30.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+class PeerDaemon:
+    """Owns the server, the coordinator session, the links and the stage runner of one peer."""
+
+    def __init__(self, settings: PeerSettings) -> None:
+        self.settings = settings
+        self.peer_id = settings.peer_id
+        self.device = settings.resolved_device()
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.runner: StageRunner | None = None
+        self.assignment: cpb.Assignment | None = None
+        self.policy = WirePolicy()
+        self.upstream: Link | None = None
+        self.downstream: Link | None = None
+        self.downstream_ready = asyncio.Event()
+        self.assigned = asyncio.Event()
+        self.driver: SyncDriver | None = None
+        self.endpoint = ""
+        self.refused = 0
+        self.stopping = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+        self._control: cgrpc.ControlStub | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._pending_reports: list[cpb.StatusReport] = []
+
+    # ---- compute thread -------------------------------------------------------------------------
+    async def run_compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start_server(self) -> str:
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        wgrpc.add_StageServicer_to_server(StageService(self), self._server)
+        port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {self.settings.host}:{self.settings.port}")
+        await self._server.start()
+        self.endpoint = target_to_endpoint(self.settings.host, port)
+        log.info("stage service listening on %s", self.endpoint)
+        return self.endpoint
+
+    async def run(self) -> int:
+        """Serve until the coordinator says shutdown or the session breaks; returns an exit code."""
+        if self.settings.threads > 0:
+            torch.set_num_threads(self.settings.threads)
+        await self.start_server()
+        self._channel = grpc.aio.insecure_channel(self.settings.coordinator, options=GRPC_OPTIONS)
+        self._control = cgrpc.ControlStub(self._channel)
+        code = 0
+        try:
+            join = cpb.JoinRequest(
+                peer_id=self.peer_id,
+                endpoint=self.endpoint,
+                protocol_version=PROTOCOL_VERSION,
+                device=self.device,
+                free_memory=_free_memory(self.device),
+                software_version=SOFTWARE_VERSION,
+            )
+            commands = self._control.Join(join)
+            self._tasks.append(asyncio.create_task(self._report_loop(), name="report"))
+            stop_wait = asyncio.create_task(self.stopping.wait())
+            async for command in _until(commands, stop_wait):
+                kind = command.WhichOneof("body")
+                log.info("command from coordinator: %s", kind)
+                if kind == "assign":
+                    await self._on_assign(command.assign)
+                elif kind == "start":
+                    self._start_driver(command.start)
+                elif kind == "stop_training":
+                    if self.driver is not None:
+                        self.driver.stop_after_step()
+                elif kind == "collect_state":
+                    await self._upload_state()
+                elif kind == "shutdown":
+                    log.info("shutdown requested by the coordinator: %s", command.shutdown.reason)
+                    break
+        except grpc.aio.AioRpcError as e:
+            if not self.stopping.is_set():
+                log.error("lost the coordinator at %s: %s", self.settings.coordinator, e.details())
+                code = 2
+        finally:
+            await self.close()
+        return code
+
+    async def close(self) -> None:
+        self.stopping.set()
+        if self.driver is not None:
+            self.driver.cancel()
+        for link in (self.upstream, self.downstream):
+            if link is not None:
+                link.close()
+        for task in self._tasks:
+            task.cancel()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        if self._channel is not None:
+            await self._channel.close()
+        self.compute.shutdown(wait=True, cancel_futures=True)
+
+    # ---- commands -------------------------------------------------------------------------------
+    async def _on_assign(self, a: cpb.Assignment) -> None:
+        model_cfg, train_cfg = assignment_configs(a)
+        self.policy = WirePolicy(forward=train_cfg.wire_forward, backward=train_cfg.wire_backward)
+        self.runner = await self.run_compute(
+            StageRunner, model_cfg, train_cfg, a.layer_start, a.layer_end, self.device
+        )
+        self.assignment = a
+        self.assigned.set()
+        log.info("assigned stage %d/%d: layers [%d, %d) on %s",
+                 a.stage, a.num_stages, a.layer_start, a.layer_end, self.device)
+        if self.runner.is_first:
+            self.driver = SyncDriver(self, train_cfg, model_cfg)
+            await self.run_compute(self.driver.load_data)
+        if a.downstream_endpoint:
+            self._tasks.append(asyncio.create_task(self._dial_downstream(a), name="downstream"))
+            await asyncio.wait_for(self.downstream_ready.wait(), self.settings.link_timeout)
+        await self.report(ready=True)
+
+    def _start_driver(self, start: cpb.Start) -> None:
+        if self.driver is None:
+            log.warning("start command on a stage that is not the data source; ignored")
+            return
+        self._tasks.append(asyncio.create_task(self.driver.run(start.first_step, start.num_steps), name="driver"))
+
+    async def _upload_state(self) -> None:
+        assert self.runner is not None and self.assignment is not None
+        from swarm.wire import tensor_to_pb
+
+        state = await self.run_compute(self.runner.state_dict)
+        chunk = cpb.StateChunk(peer_id=self.peer_id, stage=self.assignment.stage)
+        for name, tensor in state.items():
+            chunk.tensors.add(name=name, tensor=tensor_to_pb(tensor.float(), "fp32"))
+
+        async def frames():
+            for frame in split_packet(chunk, 1):
+                yield frame
+
+        reply = await self._control.UploadState(frames())
+        log.info("uploaded %d tensors of stage %d", reply.tensors, self.assignment.stage)
+
+    # ---- links ----------------------------------------------------------------------------------
+    def hello(self) -> pb.Packet:
+        a = self.assignment
+        return hello_packet(self.peer_id, a.stage if a else 0, a.run_id if a else "", PROTOCOL_VERSION)
+
+    async def _dial_downstream(self, a: cpb.Assignment) -> None:
+        target = endpoint_to_target(a.downstream_endpoint)
+        channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        link = Link(f"{self.peer_id}->{a.downstream_peer}")
+        call = wgrpc.StageStub(channel).Link()
+        try:
+            for frame in split_packet(self.hello(), 0):
+                await call.write(frame)
+            hello = await read_hello(call, link, self.settings.link_timeout)
+            if hello.peer_id != a.downstream_peer:
+                raise WireError(f"expected downstream peer {a.downstream_peer}, reached {hello.peer_id}")
+            self.downstream = link
+            self.downstream_ready.set()
+            await link.run(call, self.on_packet)
+            if not self.stopping.is_set():
+                await self.fail(f"downstream peer {a.downstream_peer} closed the link")
+        except (WireError, StageInputError) as e:
+            self.refused += 1
+            await refuse_client_stream(call, link, str(e))
+            await self.fail(f"refused a packet from downstream {a.downstream_peer}: {e}")
+        except (TimeoutError, grpc.aio.AioRpcError, LinkClosed) as e:
+            if not self.stopping.is_set():
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                await self.fail(f"link to downstream {a.downstream_peer} at {target} failed: {detail}")
+        finally:
+            await channel.close()
+
+    async def on_packet(self, link: Link, packet: pb.Packet) -> None:
+        """Route one packet from a neighbour; raises WireError/StageInputError for bad input."""
+        kind = packet.WhichOneof("body")
+        if self.runner is None:
+            raise WireError("this peer has no block assigned yet")
+        if kind == "activations":
+            if link is not self.upstream:
+                raise WireError("activations may only come from the upstream neighbour")
+            await self._on_activations(packet.activations)
+        elif kind == "gradients":
+            if link is not self.downstream:
+                raise WireError("gradients may only come from the downstream neighbour")
+            await self._on_gradients(packet.gradients)
+        elif kind == "hello":
+            raise WireError("unexpected second hello on an open link")
+        else:
+            raise WireError(f"unexpected packet kind {kind!r}")
+
+    async def _on_activations(self, act: pb.Activations) -> None:
+        packet = await self.run_compute(self._forward_job, act)
+        target = self.downstream if packet.WhichOneof("body") == "activations" else self.upstream
+        await target.send(packet)
+
+    def _forward_job(self, act: pb.Activations) -> pb.Packet:
+        runner = self.runner
+        x = self.policy.decode(act.hidden)
+        targets = self.policy.decode(act.targets) if act.HasField("targets") else None
+        result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
+        if result.output is not None:
+            mb = pb.MicroBatch()
+            mb.CopyFrom(act.mb)
+            mb.weight_version = runner.version
+            return self.policy.activations(mb, result.output, targets)
+        return self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens)
+
+    async def _on_gradients(self, g: pb.Gradients) -> None:
+        if self.driver is not None:
+            await self.driver.on_gradients(g)
+            return
+        packet = await self.run_compute(self._backward_job, g)
+        await self.upstream.send(packet)
+
+    def _backward_job(self, g: pb.Gradients) -> pb.Packet:
+        if g.mb.eval:
+            return self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
+        grad = self.policy.decode(g.grad)
+        input_grad, _ = self.runner.backward(g.mb.id, grad)
+        return self.policy.gradients(g.mb, input_grad, g.loss_sum, g.tokens)
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def stats(self) -> cpb.StageStats:
+        links = [lk for lk in (self.upstream, self.downstream) if lk is not None]
+        r = self.runner
+        return cpb.StageStats(
+            forward_micro_batches=r.metrics.forward if r else 0,
+            backward_micro_batches=r.metrics.backward if r else 0,
+            bytes_sent=sum(lk.bytes_sent for lk in links),
+            bytes_received=sum(lk.bytes_received for lk in links),
+            compute_seconds=r.metrics.compute_seconds if r else 0.0,
+            weight_version=r.version if r else 0,
+            refused=self.refused,
+        )
+
+    async def report(self, **fields) -> None:
+        if self._control is None:
+            return
+        msg = cpb.StatusReport(peer_id=self.peer_id, stats=self.stats(), **fields)
+        try:
+            await self._control.Report(msg, timeout=10.0)
+        except grpc.aio.AioRpcError as e:
+            log.warning("report to the coordinator failed: %s", e.details())
+
+    async def _report_loop(self) -> None:
+        while not self.stopping.is_set():
+            await asyncio.sleep(self.settings.report_interval)
+            await self.report()
+
+    async def fail(self, reason: str) -> None:
+        """A fault this peer cannot repair: tell the coordinator, which decides what happens next."""
+        log.error(reason)
+        await self.report(error=reason)
+
+
+async def _until(stream, stop: asyncio.Task):
+    """Iterate a server stream, ending early when ``stop`` completes."""
+    iterator = stream.__aiter__()
+    while True:
+        nxt = asyncio.ensure_future(iterator.__anext__())
+        done, _ = await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt not in done:
+            nxt.cancel()
+            stream.cancel()
+            return
+        try:
+            yield nxt.result()
+        except StopAsyncIteration:
+            return
+
+
+def _free_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+

@@ -1,0 +1,28 @@
+"""Tie a child process's life to its launcher, so a crashed ``ravn local`` leaves no orphans.
+
+The child arms the Linux parent-death signal itself (no ``preexec_fn``: forking a process that runs
+gRPC threads is unsafe), then checks that the launcher did not die before it was armed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+DIE_WITH_PARENT_ENV = "RAVN_DIE_WITH_PARENT"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent_if_asked() -> None:
+    """If the launcher set RAVN_DIE_WITH_PARENT=<its pid>, get SIGTERM when it goes away."""
+    expected = os.environ.pop(DIE_WITH_PARENT_ENV, "")
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != expected:  # the launcher died before we armed the signal
+        os.kill(os.getpid(), signal.SIGTERM)
