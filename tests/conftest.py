@@ -1,0 +1,48 @@
+"""Shared helpers for tests that start real Ravn processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ravn_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "coordinator.ravn_cli", *args]
+
+
+def run_ravn_local(runs_dir: Path, name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``ravn local`` to completion as a user would, failing loudly with its output."""
+    cmd = ravn_cmd("local", "--runs-dir", str(runs_dir), "--name", name, *args)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        logs = "\n".join(p.read_text()[-2000:] for p in sorted((runs_dir / name / "logs").glob("*.log")))
+        pytest.fail(f"ravn local exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\n{logs}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def processes_with(marker: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
+        except OSError:
+            continue
+        if marker in cmdline and "Z" not in state.split()[1:2]:
+            pids.append(int(entry.name))
+    return pids
