@@ -46,7 +46,8 @@ async def _serve(settings: RunSettings) -> int:
     port = await run.start_server()
     shown = "THIS-HOST" if settings.host in ("0.0.0.0", "::") else settings.host
     run.progress.message(f"coordinator listening on {settings.host}:{port}; waiting for {settings.peers} peers")
-    run.progress.message(f"on each peer run:  ravn-peer join --coordinator {shown}:{port}")
+    run.progress.message(f"on each peer run:  ravn-peer join --coordinator {shown}:{port}"
+                         + (" --host 0.0.0.0 --announce PEER-ADDRESS" if shown == "THIS-HOST" else ""))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, run.request_stop)

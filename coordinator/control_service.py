@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from swarm.config import PROTOCOL_VERSION
-from swarm.endpoints import EndpointError, endpoint_to_target
+from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.wire import Reassembler, WireError, tensor_from_pb
@@ -37,7 +37,7 @@ class ControlService(cgrpc.ControlServicer):
                 f"{PROTOCOL_VERSION}; install a matching ravn-swarm release",
             )
         try:
-            endpoint_to_target(request.endpoint)
+            multiaddr_to_grpc_target(request.endpoint)
         except EndpointError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not request.peer_id or len(request.peer_id) > 128:

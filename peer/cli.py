@@ -28,6 +28,8 @@ def join(
     name: Annotated[str, typer.Option(help="This peer's name in the swarm (default: hostname-pid).")] = "",
     host: Annotated[str, typer.Option(help="Address the stage service listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port of the stage service (0: any free).")] = 0,
+    announce: Annotated[str, typer.Option(help="Address other peers dial to reach this one (default: --host); "
+                                          "needed when listening on 0.0.0.0 or behind port forwarding.")] = "",
     device: Annotated[str, typer.Option(help="'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
     threads: Annotated[int, typer.Option(min=0, help="CPU threads for compute (0: torch's default).")] = 0,
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")
@@ -38,8 +40,11 @@ def join(
     die_with_parent_if_asked()
     peer_id = name or f"{socket.gethostname()}-{__import__('os').getpid()}"
     setup_logging(log_level, prefix=f"[{peer_id}] ")
-    settings = PeerSettings(coordinator=coordinator, peer_id=peer_id, host=host, port=port, device=device,
-                            threads=threads, step_timeout=step_timeout)
+    if host in ("0.0.0.0", "::") and not announce:
+        raise typer.BadParameter("listening on all interfaces: also pass --announce with the address "
+                                 "other peers can reach (e.g. your LAN or public IP)", param_hint="--announce")
+    settings = PeerSettings(coordinator=coordinator, peer_id=peer_id, host=host, port=port, announce=announce,
+                            device=device, threads=threads, step_timeout=step_timeout)
     raise typer.Exit(uvloop.run(_serve(settings)))
 
 

@@ -21,8 +21,8 @@ from peer.driver import SyncDriver
 from peer.stage_service import StageService
 from swarm.codec_policy import WirePolicy
 from swarm.config import PROTOCOL_VERSION
-from swarm.endpoints import endpoint_to_target, target_to_endpoint
 from swarm.messages import assignment_configs
+from swarm.multiaddrs import grpc_target_to_multiaddr, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
@@ -43,6 +43,7 @@ class PeerSettings:
     peer_id: str
     host: str = "127.0.0.1"
     port: int = 0
+    announce: str = ""
     device: str = "auto"
     threads: int = 0
     report_interval: float = 1.0
@@ -93,7 +94,7 @@ class PeerDaemon:
         if port == 0:
             raise OSError(f"cannot listen on {self.settings.host}:{self.settings.port}")
         await self._server.start()
-        self.endpoint = target_to_endpoint(self.settings.host, port)
+        self.endpoint = grpc_target_to_multiaddr(f"{self.settings.announce or self.settings.host}:{port}")
         log.info("stage service listening on %s", self.endpoint)
         return self.endpoint
 
@@ -202,7 +203,7 @@ class PeerDaemon:
         return hello_packet(self.peer_id, a.stage if a else 0, a.run_id if a else "", PROTOCOL_VERSION)
 
     async def _dial_downstream(self, a: cpb.Assignment) -> None:
-        target = endpoint_to_target(a.downstream_endpoint)
+        target = multiaddr_to_grpc_target(a.downstream_endpoint)
         channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
         link = Link(f"{self.peer_id}->{a.downstream_peer}")
         call = wgrpc.StageStub(channel).Link()
