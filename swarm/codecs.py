@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm import quantize
-from swarm.hadamard import is_power_of_two, random_signs
+from swarm.hadamard import BlockRotation, is_power_of_two
 
 FLOAT_CODECS = ("fp32", "fp16", "bf16")
 QUANT_CODECS = ("int8", "int4", "int4_rot")
@@ -154,8 +154,8 @@ def encode(
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    signs = random_signs(seed, block_size, flat.device) if codec == "int4_rot" else None
-    payload, scales = quantize.quantize(flat, bits, block_size, signs)
+    rotation = BlockRotation(seed, block_size, flat.device) if codec == "int4_rot" else None
+    payload, scales = quantize.quantize(flat, bits, block_size, rotation)
     if scales.numel() and not bool(torch.isfinite(scales).all()):
         if not _all_finite(flat):
             raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
@@ -231,6 +231,6 @@ def _decode_quantised(enc: EncodedTensor, n: int, device: torch.device | str | N
         raise CodecError(f"codec {enc.codec} message has a negative, NaN or infinite scale")
     target = torch.device(device) if device is not None else torch.device("cpu")
     payload = _from_bytes(enc.payload, torch.int8 if bits == 8 else torch.uint8, expected)
-    signs = random_signs(enc.seed, enc.block_size, target) if enc.codec == "int4_rot" else None
-    flat = quantize.dequantize(payload, scales, n, bits, enc.block_size, enc.dtype, target, signs)
+    rotation = BlockRotation(enc.seed, enc.block_size, target) if enc.codec == "int4_rot" else None
+    flat = quantize.dequantize(payload, scales, n, bits, enc.block_size, enc.dtype, target, rotation)
     return flat.reshape(enc.shape)

@@ -55,19 +55,38 @@ def random_signs(seed: int, n: int, device: torch.device | str = "cpu") -> torch
     return signs if torch.device(device).type == "cpu" else signs.to(device)
 
 
+DENSE_MAX = 64  # up to this size a dense matmul beats log2(n) strided butterfly passes (~4x at 64)
+
+
+@functools.lru_cache(maxsize=16)
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """The ``n x n`` Sylvester Hadamard matrix (entries +-1, symmetric, ``H @ H = n I``)."""
+    if not is_power_of_two(n):
+        raise ValueError(f"Hadamard matrices here need a power-of-two size, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
 def fwht_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Unnormalised fast Walsh-Hadamard transform of every row of ``x`` (shape ``(rows, n)``).
 
-    ``log2(n)`` butterfly passes, each two vectorised ops over the whole array, ping-ponging between
-    ``x`` and ``scratch`` (same shape, contiguous, float) so nothing is allocated. Both buffers are
-    overwritten; the returned tensor is whichever of the two holds the result. Multiply by
+    ``H_n = H_{n/m} (x) H_m``: the innermost ``m = min(n, DENSE_MAX)`` points are done as one dense
+    matmul (a few hundred FLOPs per element but one cache-friendly kernel), the remaining ``log2(n/m)``
+    butterfly passes as two vectorised ops each over contiguous runs of at least ``m`` elements. The
+    passes ping-pong between ``x`` and ``scratch`` (same shape, contiguous float32), so nothing is
+    allocated; both are overwritten and the returned tensor is whichever holds the result. Multiply by
     ``1 / sqrt(n)`` to make it orthonormal (it is then its own inverse).
     """
     rows, n = x.shape
     if not is_power_of_two(n):
         raise ValueError(f"Walsh-Hadamard transform needs a power-of-two length, got {n}")
-    src, dst = x, scratch
-    h = 1
+    m = min(n, DENSE_MAX)
+    dense = hadamard_matrix(m).to(x.device)
+    torch.mm(x.view(-1, m), dense, out=scratch.view(-1, m))
+    src, dst = scratch, x
+    h = m
     while h < n:
         a = src.view(rows, n // (2 * h), 2, h)
         b = dst.view(rows, n // (2 * h), 2, h)
@@ -78,17 +97,42 @@ def fwht_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return src
 
 
+class BlockRotation:
+    """``H D`` and its inverse ``D H`` on rows of ``n`` elements, unnormalised (both scale by ``n``).
+
+    For ``n <= DENSE_MAX`` the signs are folded into one dense matrix, so a rotation is a single matmul.
+    """
+
+    def __init__(self, seed: int, n: int, device: torch.device | str = "cpu") -> None:
+        self.n = n
+        self.signs = random_signs(seed, n, device)
+        self._dense = None
+        if n <= DENSE_MAX:
+            self._dense = (self.signs[:, None] * hadamard_matrix(n).to(self.signs.device)).contiguous()
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x`` (float32) mapped by ``H D``; result in ``out`` or ``scratch`` (returned)."""
+        if self._dense is not None:
+            return torch.mm(x, self._dense, out=out)  # row form of H D x: x @ (D H)
+        torch.mul(x, self.signs, out=out)
+        return fwht_(out, scratch)
+
+    def inverse(self, y: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """Rows of ``y`` mapped by ``D H`` into ``out`` (returned); ``y`` and ``scratch`` are clobbered."""
+        if self._dense is not None:
+            return torch.mm(y, self._dense.T, out=out)  # row form of D H y: y @ (H D)
+        return torch.mul(fwht_(y, scratch), self.signs, out=out)
+
+
 def rotate(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """Reference (allocating) rotation ``H D x / sqrt(n)`` of each row; used by tests and notes."""
+    """Reference rotation ``H D x / sqrt(n)`` of each row as a plain dense product (slow; for tests)."""
     n = x.shape[-1]
-    rows = (x.reshape(-1, n).float() * random_signs(seed, n, x.device)).contiguous()
-    out = fwht_(rows, torch.empty_like(rows)) / math.sqrt(n)
-    return out.reshape(x.shape)
+    h = hadamard_matrix(n).to(x.device)
+    return (x.float() * random_signs(seed, n, x.device)) @ h / math.sqrt(n)
 
 
 def unrotate(y: torch.Tensor, seed: int) -> torch.Tensor:
-    """Inverse of :func:`rotate`: ``D H y / sqrt(n)``."""
+    """Reference inverse of :func:`rotate`: ``D H y / sqrt(n)``."""
     n = y.shape[-1]
-    rows = y.reshape(-1, n).float().contiguous()
-    out = fwht_(rows, torch.empty_like(rows)) / math.sqrt(n) * random_signs(seed, n, y.device)
-    return out.reshape(y.shape)
+    h = hadamard_matrix(n).to(y.device)
+    return (y.float() @ h) / math.sqrt(n) * random_signs(seed, n, y.device)

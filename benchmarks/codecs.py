@@ -1,0 +1,221 @@
+"""Benchmark the wire codecs: bytes on the wire, error, and single-core speed on 64 MiB tensors.
+
+Why these tensors: activations of a transformer are roughly Gaussian except for a handful of
+channels that are 10-100x larger (the "massive activations" of GPT-style models), which is exactly
+what hurts blockwise absmax quantisation; gradients w.r.t. hidden states are small and heavy-tailed.
+Throughput is reported as GB/s of float32 input (``numel * 4 / seconds``), the best of a few runs,
+with ``torch.set_num_threads(1)`` because a volunteer PC spends its other cores on the model.
+
+Run: ``python benchmarks/codecs.py`` (``--help`` for options). Prints a table, writes
+``benchmarks/out/codecs.md`` (the same table in Markdown) and ``benchmarks/out/codecs.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swarm.codecs import decode, encode
+
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
+OUT_DIR = Path(__file__).resolve().parent / "out"
+
+
+def activation_like(numel: int, d_model: int = 1024, seed: int = 0) -> torch.Tensor:
+    """GPT-style hidden states: N(0, 1) with 4 outlier channels scaled 20-100x."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel // d_model, d_model, generator=g)
+    channels = torch.randperm(d_model, generator=g)[:4]
+    x[:, channels] *= torch.tensor([20.0, 40.0, 60.0, 100.0])
+    return x.reshape(-1)
+
+
+def gradient_like(numel: int, scale: float = 1e-3, seed: int = 1) -> torch.Tensor:
+    """Small, heavy-tailed values: Student-t with 3 degrees of freedom times ``scale``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g)
+    chi2 = torch.zeros(numel)
+    for _ in range(3):
+        chi2.add_(torch.randn(numel, generator=g).square_())
+    return x.div_(chi2.div_(3).sqrt_().clamp_min_(1e-3)).mul_(scale)
+
+
+@dataclass
+class Row:
+    tensor: str
+    codec: str
+    ratio: float  # bytes on the wire / float32 bytes
+    rel_err: float  # ||x - x'|| / ||x||
+    gb: float  # GB of float32 input
+    enc_s: float  # best encode time
+    dec_s: float  # best decode time
+
+    @property
+    def enc_gbs(self) -> float:
+        return self.gb / self.enc_s
+
+    @property
+    def dec_gbs(self) -> float:
+        return self.gb / self.dec_s
+
+    @property
+    def total_ms(self) -> float:
+        return (self.enc_s + self.dec_s) * 1e3
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+        del result
+    return best
+
+
+def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x - y.float()).norm() / x.norm())
+
+
+def measure(name: str, x: torch.Tensor, codec: str, repeats: int, block_size: int) -> Row:
+    enc = encode(x, codec, block_size=block_size, seed=1234)
+    err = rel_err(x, decode(enc))
+    gb = x.numel() * 4 / 1e9
+    t_enc = best_time(lambda: encode(x, codec, block_size=block_size, seed=1234), repeats)
+    t_dec = best_time(lambda: decode(enc), repeats)
+    return Row(name, codec, enc.nbytes / (x.numel() * 4), err, gb, t_enc, t_dec)
+
+
+def measure_hivemind(name: str, x: torch.Tensor, repeats: int) -> list[Row]:
+    """The same numbers for hivemind's own codecs, for scale (skipped if hivemind is not importable)."""
+    try:
+        from hivemind.compression import CompressionInfo, Float16Compression, Uniform8BitQuantization
+    except ImportError:
+        return []
+    rows = []
+    gb = x.numel() * 4 / 1e9
+    for label, comp in (("hivemind fp16", Float16Compression()), ("hivemind uint8", Uniform8BitQuantization())):
+        info = CompressionInfo.from_tensor(x)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch deprecates the quantized dtypes hivemind uses
+                msg = comp.compress(x, info)
+                err = rel_err(x, comp.extract(msg))
+        except Exception as e:  # e.g. hivemind 1.1.12's uint8 extract fails under numpy 2
+            print(f"skipping {label}: {type(e).__name__}: {e}")
+            continue
+        t_enc = best_time(lambda comp=comp, info=info: comp.compress(x, info), repeats)
+        t_dec = best_time(lambda comp=comp, msg=msg: comp.extract(msg), repeats)
+        rows.append(Row(name, label, len(msg.buffer) / (x.numel() * 4), err, gb, t_enc, t_dec))
+    return rows
+
+
+def markdown(rows: list[Row], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| tensor | codec | bytes / fp32 | rel. error | encode GB/s | decode GB/s | enc+dec ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.tensor} | {r.codec} | {r.ratio:.4f} | {r.rel_err:.2e} | {r.enc_gbs:.2f} | {r.dec_gbs:.2f} "
+            f"| {r.total_ms:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def print_table(rows: list[Row], header: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(markdown(rows, header))
+        return
+    table = Table(title=header)
+    for col in ("tensor", "codec", "bytes / fp32", "rel. error", "encode GB/s", "decode GB/s", "enc+dec ms"):
+        table.add_column(col, justify="left" if col in ("tensor", "codec") else "right")
+    for r in rows:
+        table.add_row(
+            r.tensor,
+            r.codec,
+            f"{r.ratio:.4f}",
+            f"{r.rel_err:.2e}",
+            f"{r.enc_gbs:.2f}",
+            f"{r.dec_gbs:.2f}",
+            f"{r.total_ms:.1f}",
+        )
+    Console().print(table)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_err, ax_speed) = plt.subplots(1, 2, figsize=(13, 5))
+    markers = {"activations": "o", "gradients": "s"}
+    for r in rows:
+        if r.rel_err > 0:
+            ax_err.scatter(r.ratio, r.rel_err, marker=markers.get(r.tensor, "x"))
+            ax_err.annotate(r.codec, (r.ratio, r.rel_err), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax_err.set_xscale("log")
+    ax_err.set_yscale("log")
+    ax_err.set_xlabel("bytes on the wire / float32 bytes")
+    ax_err.set_ylabel("relative L2 error (o: activations, s: gradients)")
+    ax_err.set_title("Size vs error (fp32 is exact, not shown)")
+    acts = [r for r in rows if r.tensor == "activations"]
+    idx = range(len(acts))
+    ax_speed.bar([i - 0.2 for i in idx], [r.enc_gbs for r in acts], width=0.4, label="encode")
+    ax_speed.bar([i + 0.2 for i in idx], [r.dec_gbs for r in acts], width=0.4, label="decode")
+    ax_speed.set_xticks(list(idx), [r.codec for r in acts], rotation=30, ha="right")
+    ax_speed.set_ylabel("GB/s of float32 input, 1 core")
+    ax_speed.set_title("Throughput on activations (best of runs)")
+    ax_speed.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64, help="size of each float32 test tensor in MiB")
+    parser.add_argument("--repeats", type=int, default=7, help="runs per measurement; the best is kept")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline rows")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    numel = args.mib * (1 << 20) // 4
+    tensors = {"activations": activation_like(numel), "gradients": gradient_like(numel)}
+    rows: list[Row] = []
+    for name, x in tensors.items():
+        for codec in CODECS:
+            rows.append(measure(name, x, codec, args.repeats, args.block_size))
+        if not args.no_hivemind:
+            rows.extend(measure_hivemind(name, x, max(1, args.repeats // 2)))
+
+    header = (
+        f"{args.mib} MiB float32 tensors, block {args.block_size}, {args.threads} thread(s), best of "
+        f"{args.repeats}; torch {torch.__version__}, {platform.processor() or platform.machine()}"
+    )
+    print_table(rows, header)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "codecs.md").write_text(markdown(rows, header))
+    plot(rows, OUT_DIR / "codecs.png")
+    print(f"wrote {OUT_DIR / 'codecs.md'} and {OUT_DIR / 'codecs.png'}")
+
+
+if __name__ == "__main__":
+    main()
