@@ -37,8 +37,9 @@ LEVELS = {8: 127, 4: 7}
 CPU_CHUNK_ELEMS = 1 << 17  # 512 KiB of float32: input, two scratch buffers and output fit in L2
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer held in the low bits
 _SCALE_MARGIN = 1.0 + 2.0**-10  # lifts absmax / L past the next fp16 step: fp16 rounding never goes below
-_SCALE_FLOOR = 2.0**-25 * _SCALE_MARGIN  # the same for subnormal fp16 scales (spacing 2**-24): past the tie
-_MIN_FP16 = 2.0**-24
+# The same for subnormal fp16 scales (spacing 2**-24): just past the tie, so even an all-zero block
+# gets the nonzero scale 2**-24 and 1 / s never divides by zero.
+_SCALE_FLOOR = 2.0**-25 * _SCALE_MARGIN
 
 
 _local = threading.local()
@@ -106,15 +107,16 @@ def quantize(
     scales = torch.empty(full + (1 if tail else 0), dtype=torch.float16, device=device)
     payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
     offset = torch.full((), _ROUND_MAGIC + (8 if bits == 4 else 0), device=device)
+    floor = torch.full((), _SCALE_FLOOR, device=device)
+    rotated = rotation is not None
     if full:
         rows = _rows_per_chunk(full, block_size, device)
         # Scratch: b always; a for converted input or the rotation's spare; c for the rotation.
-        rotated = rotation is not None
         a = _scratch("a", (rows, block_size), device) if rotated or flat.dtype != torch.float32 else None
         b = _scratch("b", (rows, block_size), device)
         c = _scratch("c", (rows, block_size), device) if rotated else None
         vec = _scratch("vec", (rows,), device)
-        gain = 1.0 / math.sqrt(block_size) if rotation is not None else 1.0
+        gain = 1.0 / math.sqrt(block_size) if rotated else 1.0
         # One split per array up front: the loop body is then only the vectorised kernels.
         xs = flat[: full * block_size].view(full, block_size).split(rows)
         dests = payload[: full * block_size * bits // 8].split(rows * block_size * bits // 8)
@@ -122,13 +124,15 @@ def quantize(
             k = x.shape[0]
             if x.dtype != torch.float32:
                 x = a[:k].copy_(x)
-            if rotation is not None:
+            if rotated:
                 x = rotation.forward(x, b[:k], c[:k])  # lands in b or c, never a
-            _quantize_rows(x, levels, gain, offset, s, dest, a[:k] if rotation is not None else b[:k], vec[:k])
+            abuf = a[:k] if rotated else b[:k]
+            _quantize_rows(x, levels, gain, floor, offset, s, dest, abuf, vec[:k])
     if tail:
         x = flat[full * block_size :].view(1, tail).float()
         dest = payload[_tail_bytes(full * block_size, bits)]
-        _quantize_rows(x, levels, 1.0, offset, scales[full:], dest, torch.empty_like(x), torch.empty(1, device=device))
+        abuf, vec = torch.empty_like(x), torch.empty(1, device=device)
+        _quantize_rows(x, levels, 1.0, floor, offset, scales[full:], dest, abuf, vec)
     return payload, scales
 
 
@@ -136,6 +140,7 @@ def _quantize_rows(
     x: torch.Tensor,
     levels: int,
     gain: float,
+    floor: torch.Tensor,
     offset: torch.Tensor,
     scales_out: torch.Tensor,
     dest: torch.Tensor,
@@ -149,9 +154,9 @@ def _quantize_rows(
     """
     torch.abs(x, out=abuf)
     torch.amax(abuf, dim=1, out=vec)
-    vec.mul_(gain * _SCALE_MARGIN / levels).add_(_SCALE_FLOOR)
-    scales_out.copy_(vec)  # round to fp16; lands at or above absmax / L (inf if it overflows fp16)
-    vec.copy_(scales_out).clamp_min_(_MIN_FP16).reciprocal_()  # 1 / the scale the receiver will see
+    torch.add(floor, vec, alpha=gain * _SCALE_MARGIN / levels, out=vec)
+    scales_out.copy_(vec)  # round to fp16: >= absmax / L and >= 2**-24 (inf if it overflows fp16)
+    vec.copy_(scales_out).reciprocal_()  # 1 / the scale the receiver will see
     if gain != 1.0:
         vec.mul_(gain)
     torch.mul(x, vec[:, None], out=abuf)

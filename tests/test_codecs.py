@@ -302,8 +302,14 @@ def replace(enc: EncodedTensor, **changes: object) -> EncodedTensor:
 @pytest.mark.parametrize("codec", ["fp32", "fp16", "bf16", "int8", "int4", "int4_rot"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_input_refused(codec, bad):
-    for n in (1, 63, 64, 65, 1000):
-        x = torch.randn(n)
+    for n, dtype in (
+        (1, torch.float32),
+        (63, torch.float16),
+        (64, torch.bfloat16),
+        (65, torch.float32),
+        (1000, torch.float32),
+    ):
+        x = torch.randn(n).to(dtype)
         x[n // 2] = bad
         with pytest.raises(CodecError, match="NaN or Inf"):
             encode(x, codec)
