@@ -25,7 +25,6 @@ The best candidate wins. See docs/planner.md for the cost model, complexity and 
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,17 @@ _LOCAL_SEARCH_MAX_PEERS = 24
 _LOCAL_SEARCH_MAX_LAYERS = 40
 _LOCAL_SEARCH_ROUNDS = 60
 # Budget (peer x block pairs) for the exact split re-optimisation before it narrows its window.
-_SPLIT_BUDGET = 400_000
+_SPLIT_BUDGET = 100_000
+# Every partition is scored when 2^(L-1) x peers stays under this (L <= 8 for a handful of peers).
+_PARTITION_ENUM_BUDGET = 2_048
+# The covering assignment costs about peers x stages^2 per check; above this only the greedy runs.
+_COVER_BUDGET = 2_000_000
+# With more peers than this per layer, replicas dominate and the one-per-block seed is skipped.
+_CHAIN_MAX_PEERS_PER_LAYER = 4
+# Exact memory-only feasibility (DP over subsets) up to this many peers.
+_MEMORY_DP_MAX_PEERS = 14
+# Every pipeline depth gets a descent while peers x layers x depths stays under this.
+_DEPTH_SWEEP_BUDGET = 200_000
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,7 @@ def _to_plan(cm: CostModel, lay: _Layout) -> Plan:
     times = _stage_times(cm, lay)
     used = {p for g in lay.groups for p in g}
     stages = tuple(
-        Stage(lay.bounds[i], lay.bounds[i + 1], tuple(cm.peers[p].peer_id for p in g), times[i])
+        Stage(int(lay.bounds[i]), int(lay.bounds[i + 1]), tuple(cm.peers[p].peer_id for p in g), times[i])
         for i, g in enumerate(lay.groups)
     )
     bottleneck = max(times)
@@ -189,13 +198,16 @@ def _top(values: np.ndarray, valid: np.ndarray, k: int) -> np.ndarray:
     return pos[np.argsort(-values[pos], kind="stable")]
 
 
-def _solo_check(cm: CostModel, pool: np.ndarray, budget: float) -> _Layout | None:
+def _solo_check(cm: CostModel, pool: np.ndarray, budget: float, groups_ok: bool = False) -> _Layout | None:
     """A plan with one peer per stage and every stage within ``budget``, or ``None``.
 
     Why the slot choice is exact for identical layers: a middle peer's reach is ``x + k_p`` (its
     capacity), so any set of middle peers covers the sum of its capacities; the first and last
     slots add ``gain = k_first - k_mid`` (resp. last) on top, and the best distinct pair is among
     the top two of each gain list. Stages are then filled greedily by reach.
+
+    With ``groups_ok`` a stage no single peer can serve may take a small replica set instead
+    (the fewest peers that reach furthest), so weak peers can still form a stage together.
     """
     L = cm.n_layers
     if pool.size == 0:
@@ -204,7 +216,7 @@ def _solo_check(cm: CostModel, pool: np.ndarray, budget: float) -> _Layout | Non
     if np.any(t_whole <= budget):
         return _Layout([0, L], [[int(pool[np.argmin(t_whole)])]])
     if L == 1 or pool.size < 2:
-        return None
+        return _chain_fill(cm, budget, None, 0, None, pool, groups_ok) if groups_ok else None
     # First slot: furthest end b < L of [0, b); last slot: earliest start x > 0 of [x, L).
     first_end = _last_true(cm.times_from(pool, 0, 1, L - 1) <= budget) + 1  # 0: cannot be first
     ok_last = cm.times_to(pool, L, 1, L - 1) <= budget
@@ -214,8 +226,6 @@ def _solo_check(cm: CostModel, pool: np.ndarray, budget: float) -> _Layout | Non
     else:
         mid_cap = np.zeros(pool.size, dtype=np.int64)
     can_first, can_last = first_end >= 1, last_start < L
-    if not can_first.any() or not can_last.any():
-        return None
     # Identical layers need only the top two of each gain list (see above); otherwise position
     # matters and a few more slot pairs are worth trying.
     width = 2 if cm.uniform else (6 if pool.size <= 64 else 3)
@@ -227,43 +237,92 @@ def _solo_check(cm: CostModel, pool: np.ndarray, budget: float) -> _Layout | Non
         ((f, la) for f in firsts.tolist() for la in lasts.tolist() if f != la),
         key=lambda fl: -(gain_f[fl[0]] + gain_l[fl[1]]),
     )
-    if pool.size <= 2 * L + 8:
-        middles = np.flatnonzero(mid_cap >= 1) if cm.uniform else np.arange(pool.size)
+    if cm.uniform:  # the best distinct pair decides feasibility; the others cannot do better
+        pairs = pairs[:1]
+    if groups_ok or (pool.size <= 2 * L + 8 and not cm.uniform):
+        middles = np.arange(pool.size)
+    elif pool.size <= 2 * L + 8:
+        middles = np.flatnonzero(mid_cap >= 1)
     else:
         middles = _top(mid_cap.astype(np.float64), mid_cap >= 1, L + 2)
     for f, last in pairs:
         mids = middles[(middles != f) & (middles != last)]
-        lay = _solo_fill(cm, budget, int(pool[f]), int(first_end[f]), int(pool[last]), pool[mids])
+        lay = _chain_fill(cm, budget, int(pool[f]), int(first_end[f]), int(pool[last]), pool[mids], groups_ok)
         if lay is not None:
             return lay
+    if groups_ok:
+        return _chain_fill(cm, budget, None, 0, None, pool, groups_ok)
     return None
 
 
-def _solo_fill(
-    cm: CostModel, budget: float, first: int, first_end: int, last: int, mids: np.ndarray
+def _chain_fill(
+    cm: CostModel,
+    budget: float,
+    first: int | None,
+    first_end: int,
+    last: int | None,
+    mids: np.ndarray,
+    groups_ok: bool,
 ) -> _Layout | None:
-    """Left-to-right fill between a fixed first and a reserved last peer, furthest reach first."""
+    """Left-to-right fill between an optional first peer and an optional reserved last peer.
+
+    Each step takes the single peer that reaches furthest; with ``groups_ok``, when nobody can
+    serve even one layer alone, the fewest peers that together reach furthest.
+    """
     L = cm.n_layers
-    bounds, groups = [0, first_end], [[first]]
+    bounds, groups = ([0], []) if first is None else ([0, first_end], [[first]])
+    x = 0 if first is None else first_end
     avail = mids.copy()
-    x = first_end
     while True:
-        if cm.block_times(np.array([last]), x, L)[0] <= budget:
-            return _Layout([*bounds, L], [*groups, [last]])
-        if avail.size:
-            t_fin = cm.block_times(avail, x, L)
-            if np.any(t_fin <= budget):
-                return _Layout([*bounds, L], [*groups, [int(avail[np.argmin(t_fin)])]])
+        fin = _finish(cm, budget, x, last, avail, groups_ok)
+        if fin is not None:
+            return _Layout([*bounds, L], [*groups, fin])
         if x >= L - 1 or avail.size == 0:
             return None
-        reach = _last_true(cm.times_from(avail, x, x + 1, L - 1) <= budget)
+        t = cm.times_from(avail, x, x + 1, L - 1)
+        reach = _last_true(t <= budget)
         pick = int(np.argmax(reach))
-        if reach[pick] < 0:
+        if reach[pick] >= 0:
+            members, x = [pick], x + 1 + int(reach[pick])
+        elif groups_ok:
+            with np.errstate(divide="ignore"):
+                cover = budget / t
+            cum = np.cumsum(-np.sort(-cover, axis=0), axis=0)
+            need = np.where(cum[-1] >= 1.0, np.argmax(cum >= 1.0, axis=0) + 1, avail.size + 1)
+            fewest = int(need.min())
+            if fewest > avail.size:
+                return None
+            off = int(np.flatnonzero(need == fewest)[-1])
+            members = np.argsort(-cover[:, off], kind="stable")[:fewest].tolist()
+            x = x + 1 + off
+        else:
             return None
-        x = x + 1 + int(reach[pick])
         bounds.append(x)
-        groups.append([int(avail[pick])])
-        avail = np.delete(avail, pick)
+        groups.append([int(avail[m]) for m in members])
+        avail = np.delete(avail, members)
+
+
+def _finish(
+    cm: CostModel, budget: float, x: int, last: int | None, avail: np.ndarray, groups_ok: bool
+) -> list[int] | None:
+    """Who can serve the final block ``[x, L)``: the reserved peer, another one, or (if allowed) a set."""
+    L = cm.n_layers
+    if last is not None and cm.block_times(np.array([last]), x, L)[0] <= budget:
+        return [last]
+    t = cm.block_times(avail, x, L) if avail.size else np.empty(0)
+    if t.size and np.any(t <= budget):
+        return [int(avail[np.argmin(t)])]
+    if not groups_ok:
+        return None
+    cand = avail if last is None else np.append(avail, last)
+    t = cm.block_times(cand, x, L)
+    with np.errstate(divide="ignore"):
+        cover = budget / t
+    order = np.argsort(-cover, kind="stable")
+    cum = np.cumsum(cover[order])
+    if cum.size == 0 or cum[-1] < 1.0:
+        return None
+    return [int(c) for c in cand[order[: int(np.argmax(cum >= 1.0)) + 1]]]
 
 
 def _run_check(cm: CostModel, order: np.ndarray, budget: float) -> _Layout | None:
@@ -279,25 +338,99 @@ def _run_check(cm: CostModel, order: np.ndarray, budget: float) -> _Layout | Non
     while x < L:
         if i >= n:
             return None
-        width = min(n - i, 64)
+        # Grow the run in doubling chunks only while a longer block could still fit its memory.
+        chunks: list[np.ndarray] = []
+        total = np.zeros(L - x)
+        start, width = i, min(n - i, 64)
         while True:
-            idx = order[i : i + width]
             with np.errstate(divide="ignore"):
-                cover = np.cumsum(budget / cm.times_from(idx, x, x + 1, L), axis=0)
-            reached = _last_true(cover[-1:] >= 1.0)[0]  # offset of the furthest coverable end
+                chunk = budget / cm.times_from(order[start : start + width], x, x + 1, L)
+            chunks.append(chunk)
+            total += chunk.sum(axis=0)
+            reached = int(_last_true((total >= 1.0)[None, :])[0])  # offset of the furthest coverable end
             best_end = x + 1 + reached if reached >= 0 else x
-            more = i + width < n and best_end < L
-            if more and cm.memory[order[i + width]] >= cm.block_memory(x, best_end + 1):
-                width = min(n - i, 2 * width)
+            start += width
+            if start < n and best_end < L and cm.memory[order[start]] >= cm.block_memory(x, best_end + 1):
+                width = min(n - start, 2 * width)
                 continue
             break
         if reached < 0:
             return None
-        run = int(np.argmax(cover[:, reached] >= 1.0)) + 1
-        groups.append([int(p) for p in idx[:run]])
+        run, acc = i, 0.0
+        for chunk in chunks:
+            col = chunk[:, reached]
+            if acc + col.sum() >= 1.0:
+                run += int(np.argmax(acc + np.cumsum(col) >= 1.0)) + 1
+                break
+            acc += col.sum()
+            run += col.size
+        groups.append(order[i:run].tolist())
         bounds.append(best_end)
-        i += run
-        x = best_end
+        i, x = run, best_end
+    return _Layout(bounds, groups)
+
+
+def _memory_cover(cm: CostModel) -> _Layout | None:
+    """Any one-peer-per-block plan that fits in memory, or ``None`` if there is none.
+
+    Reach by memory alone is monotone in the start position, so for a set of peers only the
+    furthest point they can cover together matters: a DP over subsets is exact, and cheap for a
+    dozen peers. With more peers two greedy orders are tried: furthest reach first (few peers
+    to spare) and smallest sufficient peer first (big layers need the big peers).
+    """
+    everyone = np.arange(cm.n_peers)
+    lay = _solo_check(cm, everyone, _MEMORY_ONLY)
+    if lay is not None:
+        return lay
+    if cm.n_peers <= _MEMORY_DP_MAX_PEERS:
+        return _memory_dp(cm)
+    return _best_fit_cover(cm)
+
+
+def _memory_reach(cm: CostModel, p: int, x: int) -> int:
+    """Furthest block end from ``x`` that peer ``p`` can hold (``x`` if not even one layer)."""
+    return int(np.searchsorted(cm.mem_cum, cm.mem_cum[x] + cm.memory[p], side="right")) - 1
+
+
+def _memory_dp(cm: CostModel) -> _Layout | None:
+    L, n = cm.n_layers, cm.n_peers
+    reach = {0: 0}  # subset bitmask -> furthest position covered
+    back: dict[int, tuple[int, int]] = {}
+    for mask in range(1 << n):  # supersets come later in numeric order
+        if mask not in reach:
+            continue
+        x = reach[mask]
+        if x >= L:
+            bounds, groups = [L], []
+            while mask:
+                prev, p = back[mask]
+                groups.append([p])
+                bounds.append(reach[prev])
+                mask = prev
+            return _Layout(bounds[::-1], groups[::-1])
+        for p in range(n):
+            if mask >> p & 1:
+                continue
+            y = min(_memory_reach(cm, p, x), L)
+            nxt = mask | 1 << p
+            if y > x and y > reach.get(nxt, -1):
+                reach[nxt], back[nxt] = y, (mask, p)
+    return None
+
+
+def _best_fit_cover(cm: CostModel) -> _Layout | None:
+    L = cm.n_layers
+    free = sorted(range(cm.n_peers), key=lambda p: cm.memory[p])
+    bounds, groups, x = [0], [], 0
+    while x < L:
+        need = cm.block_memory(x, x + 1)
+        fit = next((p for p in free if cm.memory[p] >= need), None)
+        if fit is None:
+            return None
+        free.remove(fit)
+        x = min(_memory_reach(cm, fit, x), L)
+        bounds.append(x)
+        groups.append([fit])
     return _Layout(bounds, groups)
 
 
@@ -330,33 +463,21 @@ def _bisect(
 
 
 def _water_fill(cm: CostModel, lay: _Layout, spare: Sequence[int]) -> tuple[_Layout, list[int]]:
-    """Each spare peer, fastest first, joins the most loaded stage it can hold."""
+    """Each spare peer, strongest first, joins the most loaded stage it can hold."""
     if not spare or not lay.groups:
         return lay, list(spare)
     lay = lay.copy()
     extra = np.asarray(spare, dtype=np.int64)
     k = len(lay.groups)
-    t = np.column_stack([cm.block_times(extra, lay.bounds[j], lay.bounds[j + 1]) for j in range(k)])
-    fits = np.isfinite(t).tolist()
-    t_list = t.tolist()
-    rates = [0.0 if math.isinf(s) else 1.0 / s for s in _stage_times(cm, lay)]
-    heap = [(-(1.0 / r if r > 0 else math.inf), j) for j, r in enumerate(rates)]
-    heapq.heapify(heap)
-    leftover: list[int] = []
-    for e in np.argsort(-cm.speed[extra], kind="stable").tolist():
-        popped = []
-        while heap and not fits[e][heap[0][1]]:
-            popped.append(heapq.heappop(heap))
-        if heap:
-            _, j = heapq.heappop(heap)
+    with np.errstate(divide="ignore"):
+        rate = 1.0 / np.column_stack([cm.block_times(extra, lay.bounds[j], lay.bounds[j + 1]) for j in range(k)])
+    total = np.array([0.0 if math.isinf(t) else 1.0 / t for t in _stage_times(cm, lay)])
+    where = np.full(extra.size, -1, dtype=np.int64)
+    _fill_slowest(rate, where, total, np.argsort(-rate.max(axis=1), kind="stable"))
+    for e, j in enumerate(where.tolist()):
+        if j >= 0:
             lay.groups[j].append(int(extra[e]))
-            rates[j] += 1.0 / t_list[e][j]
-            heapq.heappush(heap, (-1.0 / rates[j], j))
-        else:
-            leftover.append(int(extra[e]))
-        for item in popped:
-            heapq.heappush(heap, item)
-    return lay, leftover
+    return lay, extra[where < 0].tolist()
 
 
 def _split_dp(cm: CostModel, groups: list[list[int]], allowed: list[list[int]]) -> tuple[list[int], float]:
@@ -417,44 +538,328 @@ def _resplit(cm: CostModel, lay: _Layout, window: int | None = None) -> _Layout:
     return lay
 
 
-def _even_bounds(L: int, k: int) -> list[int]:
-    return [round(i * L / k) for i in range(k + 1)]
+def _balanced_bounds(cm: CostModel, k: int) -> list[int]:
+    """``k`` blocks of about equal compute, every block non-empty."""
+    L = cm.n_layers
+    targets = cm.cost_cum[-1] * np.arange(1, k) / k
+    cuts = np.searchsorted(cm.cost_cum, targets).tolist()
+    bounds = [0]
+    for j, c in enumerate(cuts, start=1):
+        bounds.append(min(max(c, bounds[-1] + 1), L - (k - j)))
+    return [*bounds, L]
+
+
+def _mirror(bounds: Sequence[int], L: int) -> list[int]:
+    return [L - b for b in reversed(bounds)]
+
+
+def _assign_value(cm: CostModel, bounds: list[int]) -> tuple[float, _Layout | None]:
+    groups = _assign(_rate_matrix(cm, bounds))
+    if groups is None:
+        return math.inf, None
+    lay = _Layout(list(bounds), groups)
+    return _value(cm, lay), lay
+
+
+def _partition_neighbours(bounds: list[int], L: int):
+    k = len(bounds) - 1
+    for j in range(1, k):  # shift one boundary
+        for d in (-1, 1):
+            b = bounds[j] + d
+            if bounds[j - 1] < b < bounds[j + 1]:
+                yield [*bounds[:j], b, *bounds[j + 1 :]]
+    for j in range(1, k):  # merge two neighbouring blocks
+        yield [*bounds[:j], *bounds[j + 1 :]]
+    for j in range(k):  # split one block
+        for b in range(bounds[j] + 1, bounds[j + 1]):
+            yield [*bounds[: j + 1], b, *bounds[j + 1 :]]
+
+
+def _partition_search(cm: CostModel, lay: _Layout) -> _Layout:
+    """Hill climb over block boundaries, each partition scored by its best replica assignment."""
+    cur_val, cur = _value(cm, lay), lay
+    for _ in range(_LOCAL_SEARCH_ROUNDS):
+        for bounds in _partition_neighbours(cur.bounds, cm.n_layers):
+            val, cand = _assign_value(cm, bounds)
+            if cand is not None and val < cur_val * (1.0 - 1e-12):
+                cur_val, cur = val, cand
+                break
+        else:
+            break
+    return cur
+
+
+def _rate_matrix(cm: CostModel, bounds: Sequence[int]) -> np.ndarray:
+    """Peer x stage rates (micro-batches/s); 0 where the peer cannot hold the block."""
+    every = np.arange(cm.n_peers)
+    t = np.column_stack([cm.block_times(every, bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)])
+    return 1.0 / t
+
+
+def _assign(rate: np.ndarray) -> list[list[int]] | None:
+    """Replica sets for fixed blocks that maximise the smallest stage rate.
+
+    Two constructions, each followed by the same repair, and the better kept: the classic
+    max-min greedy (strongest peer first, to the slowest stage it can hold), and, when the
+    instance is small enough, a bisection on the stage time whose check covers the most
+    constrained block first with the peers least useful elsewhere.
+    """
+    n, k = rate.shape
+    fits = rate > 0
+    if not fits.any(axis=0).all():
+        return None
+    options = [_greedy_assign(rate)]
+    if n * k * k <= _COVER_BUDGET:
+        options.append(_cover_bisect(rate, options[0]))
+    best, best_min = None, 0.0
+    for where in options:
+        if where is None:
+            continue
+        total = np.bincount(where[where >= 0], weights=rate[where >= 0, where[where >= 0]], minlength=k)
+        _place_rest(rate, where, total)
+        _repair(rate, where, total)
+        if total.min() > best_min:
+            best, best_min = where, float(total.min())
+    if best is None:
+        return None
+    return [np.flatnonzero(best == j).tolist() for j in range(k)]
+
+
+def _greedy_assign(rate: np.ndarray) -> np.ndarray:
+    """Strongest peer first, each to the currently slowest stage it can hold."""
+    where = np.full(rate.shape[0], -1, dtype=np.int64)
+    _fill_slowest(rate, where, np.zeros(rate.shape[1]), np.argsort(-rate.max(axis=1), kind="stable"))
+    return where
+
+
+def _place_rest(rate: np.ndarray, where: np.ndarray, total: np.ndarray) -> None:
+    """Unplaced peers, strongest first, join the slowest stage they can hold (in place)."""
+    rest = np.flatnonzero(where < 0)
+    _fill_slowest(rate, where, total, rest[np.argsort(-rate[rest].max(axis=1), kind="stable")])
+
+
+def _fill_slowest(rate: np.ndarray, where: np.ndarray, total: np.ndarray, peers: np.ndarray) -> None:
+    """Each of ``peers``, in order, joins the slowest stage it can hold (in place).
+
+    Several empty stages tie at zero; the peer takes the one it serves best. Which stages a peer
+    can hold depends only on memory, so with stages sorted by how many peers fit them the choices
+    are prefixes, and the slowest one is an argmin over a prefix.
+    """
+    k = rate.shape[1]
+    if peers.size == 0:
+        return
+    rows = rate[peers]
+    fits = rows > 0
+    st = np.argsort(-fits.sum(axis=0), kind="stable")
+    rows, fits = rows[:, st], fits[:, st]
+    count = fits.sum(axis=1)
+    nested = bool((fits == (np.arange(k)[None, :] < count[:, None])).all())
+    tot = total[st].astype(np.float64)
+    for i, p in enumerate(peers.tolist()):
+        c = int(count[i])
+        if c == 0:
+            continue
+        if nested:
+            j = int(tot[:c].argmin())
+        else:
+            j = int(np.where(fits[i], tot, np.inf).argmin())
+        if tot[j] == 0.0:
+            zero = np.flatnonzero((tot == 0.0) & fits[i])
+            j = int(zero[np.argmax(rows[i, zero])])
+        where[p] = st[j]
+        tot[j] += rows[i, j]
+    total[st] = tot
+
+
+def _cover(cover: np.ndarray) -> np.ndarray | None:
+    """Give every block replicas whose summed coverage (rate x budget) reaches 1, or ``None``.
+
+    The block with the least coverage left among unplaced peers goes first. It takes peers by
+    the ratio of their coverage here to their best coverage on another open block, except that
+    once some peer can complete it, it takes the completer worth least elsewhere (best fit).
+    Peers not needed stay unplaced (-1).
+    """
+    n, k = cover.shape
+    where = np.full(n, -1, dtype=np.int64)
+    free = np.arange(n)  # unplaced peers
+    open_ = list(range(k))  # blocks still to cover
+    while open_:
+        sub = cover[np.ix_(free, open_)]
+        supply = sub.sum(axis=0)
+        c = int(np.argmin(supply))
+        if supply[c] < 1.0:
+            return None
+        here = sub[:, c]
+        elsewhere = np.delete(sub, c, axis=1).max(axis=1) if len(open_) > 1 else np.zeros(free.size)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(here > 0, here / elsewhere, -np.inf)
+        pool = here > 0
+        # Bulk step: by ratio, while the block still needs more than any one peer could complete.
+        order = np.argsort(-ratio, kind="stable")[: int(pool.sum())]
+        cum = np.cumsum(here[order])
+        bulk = int(np.searchsorted(cum, 1.0 - float(here.max()), side="right"))
+        members: list[int] = order[:bulk].tolist()
+        got = float(cum[bulk - 1]) if bulk else 0.0
+        pool[members] = False
+        while got < 1.0:
+            completes = np.flatnonzero(pool & (here >= 1.0 - got))
+            if completes.size:  # best fit: the completer worth least elsewhere
+                m = int(completes[np.lexsort((here[completes], elsewhere[completes]))[0]])
+            else:
+                m = int(np.argmax(np.where(pool, ratio, -np.inf)))
+            members.append(m)
+            pool[m] = False
+            got += float(here[m])
+        where[free[members]] = open_[c]
+        free = np.delete(free, members)
+        del open_[c]
+    return where
+
+
+def _cover_bisect(rate: np.ndarray, start: np.ndarray) -> np.ndarray | None:
+    """Smallest stage time (to 0.1%) for which ``_cover`` succeeds, searched below the greedy's."""
+    k = rate.shape[1]
+    placed = start >= 0
+    base = np.bincount(start[placed], weights=rate[placed, start[placed]], minlength=k).min()
+    hi = 1.0 / base if base > 0 else None
+    lo = 1.0 / rate.sum(axis=0).min()  # every peer in the slowest block would still be this slow
+    if hi is None:
+        hi = lo * 1e6
+    best = None
+    for _ in range(40):
+        if hi - lo <= 1e-3 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        where = _cover(rate * mid)
+        if where is None:
+            lo = mid
+        else:
+            best, hi = where, mid
+    return best
+
+
+def _repair(rate: np.ndarray, where: np.ndarray, total: np.ndarray, max_moves: int = 10_000) -> None:
+    """Local moves into the slowest stage while they raise the minimum rate (in place)."""
+    n, k = rate.shape
+    if k < 2:
+        return
+    count = np.bincount(where[where >= 0], minlength=k)
+    for _ in range(max_moves):
+        order = np.argsort(total, kind="stable")
+        low = int(order[0])
+        second, third = total[order[1]], total[order[2]] if k > 2 else np.inf
+        donor = where
+        movable = (donor >= 0) & (donor != low) & (rate[:, low] > 0)
+        movable &= count[np.maximum(donor, 0)] >= 2
+        cand = np.flatnonzero(movable)
+        best_gain, move = total[low], None
+        if cand.size:
+            d = donor[cand]
+            others = np.where(d == order[1], third, second)
+            new_min = np.minimum(np.minimum(total[low] + rate[cand, low], total[d] - rate[cand, d]), others)
+            i = int(np.argmax(new_min))
+            if new_min[i] > best_gain * (1 + 1e-12):
+                best_gain, move = new_min[i], ("move", int(cand[i]))
+        unplaced = np.flatnonzero((donor < 0) & (rate[:, low] > 0))
+        if unplaced.size:
+            i = int(unplaced[np.argmax(rate[unplaced, low])])
+            if min(total[low] + rate[i, low], second) > best_gain * (1 + 1e-12):
+                best_gain, move = min(total[low] + rate[i, low], second), ("add", i)
+        if move is None and n <= 400:
+            move = _best_swap(rate, where, total, low, order)
+        if move is None:
+            return
+        kind, p = move[0], move[1]
+        if kind == "swap":
+            q = move[2]
+            dq = where[q]
+            total[low] += rate[q, low] - rate[p, low]
+            total[dq] += rate[p, dq] - rate[q, dq]
+            where[p], where[q] = dq, low
+            continue
+        if where[p] >= 0:
+            total[where[p]] -= rate[p, where[p]]
+            count[where[p]] -= 1
+        where[p] = low
+        total[low] += rate[p, low]
+        count[low] += 1
+
+
+def _best_swap(rate: np.ndarray, where: np.ndarray, total: np.ndarray, low: int, order: np.ndarray):
+    """Best exchange of a peer in the slowest stage with one elsewhere, if it raises the minimum."""
+    k = total.size
+    inside = np.flatnonzero(where == low)
+    outside = np.flatnonzero((where >= 0) & (where != low) & (rate[:, low] > 0))
+    if inside.size == 0 or outside.size == 0:
+        return None
+    d = where[outside]
+    # new rates: slowest stage gains q and loses p; q's stage gains p and loses q
+    new_low = total[low] - rate[inside, low][:, None] + rate[outside, low][None, :]
+    new_d = total[d][None, :] - rate[outside, d][None, :] + rate[inside[:, None], d[None, :]]
+    ok = rate[inside[:, None], d[None, :]] > 0
+    second = total[order[1]]
+    third = total[order[2]] if k > 2 else np.inf
+    others = np.where(d == order[1], third, second)[None, :]
+    new_min = np.where(ok, np.minimum(np.minimum(new_low, new_d), others), -np.inf)
+    i, j = np.unravel_index(int(np.argmax(new_min)), new_min.shape)
+    if new_min[i, j] > total[low] * (1 + 1e-12):
+        return ("swap", int(inside[i]), int(outside[j]))
+    return None
+
+
+def _alternate(cm: CostModel, lay: _Layout, rounds: int = 4) -> _Layout:
+    """Block-coordinate descent from an assigned layout: best blocks for these replica sets, then
+    best replica sets for those blocks, while either step strictly improves."""
+    best = lay
+    for _ in range(rounds):
+        moved = _resplit(cm, best)
+        if moved is best:
+            break
+        val, cand = _assign_value(cm, moved.bounds)
+        step = cand if cand is not None and val < _value(cm, moved) else moved
+        if _value(cm, step) >= _value(cm, best) * (1.0 - 1e-12):
+            break
+        best = step
+    return best
 
 
 def _neighbours(lay: _Layout, unused: list[int], replicas: bool, L: int):
     """Single-peer edits of a layout; boundaries are re-solved by the caller."""
     k = len(lay.groups)
     g = lay.groups
+    for i in range(k):  # stage order matters at the ends, which skip one boundary's transfers
+        for j in range(i + 1, k):
+            new = [list(x) for x in g]
+            new[i], new[j] = g[j], g[i]
+            yield new, unused
     if replicas:
         for i in range(k):
-            if len(g[i]) < 2:
-                continue
             for p in g[i]:
                 rest = [q for q in g[i] if q != p]
                 for j in range(k):
                     if j != i:
                         new = [list(x) for x in g]
                         new[i], new[j] = rest, [*g[j], p]
-                        yield new, unused
-                if k < L:
+                        yield [x for x in new if x], unused  # a peer leaving alone dissolves its stage
+                if k < L and rest:
                     for pos in (i, i + 1):
                         new = [list(x) for x in g]
                         new[i] = rest
                         new.insert(pos, [p])
                         yield new, unused
         for p in unused:
+            rest = [q for q in unused if q != p]
             for j in range(k):
                 new = [list(x) for x in g]
                 new[j] = [*g[j], p]
-                yield new, [q for q in unused if q != p]
+                yield new, rest
+            if k < L:
+                for pos in range(k + 1):
+                    yield [*g[:pos], [p], *g[pos:]], rest
         for i in range(k - 1):
             yield [*g[:i], g[i] + g[i + 1], *g[i + 2 :]], unused
     else:
         for i in range(k):
-            for j in range(i + 1, k):
-                new = [list(x) for x in g]
-                new[i], new[j] = g[j], g[i]
-                yield new, unused
             for p in unused:
                 new = [list(x) for x in g]
                 new[i] = [p]
@@ -488,6 +893,7 @@ def _local_search(cm: CostModel, lay: _Layout, unused: list[int], replicas: bool
 
 
 def _polish(cm: CostModel, lay: _Layout, replicas: bool) -> _Layout:
+    """Spare peers become replicas of the most loaded stage they fit, then boundaries re-balance."""
     used = {p for g in lay.groups for p in g}
     unused = [p for p in range(cm.n_peers) if p not in used]
     for _ in range(3):
@@ -497,11 +903,41 @@ def _polish(cm: CostModel, lay: _Layout, replicas: bool) -> _Layout:
         lay = _resplit(cm, lay)
         if _value(cm, lay) >= before * (1.0 - 1e-12):
             break
-    if cm.n_peers <= _LOCAL_SEARCH_MAX_PEERS and cm.n_layers <= _LOCAL_SEARCH_MAX_LAYERS:
-        lay, unused = _local_search(cm, lay, unused, replicas)
-    if replicas and unused:
-        lay, unused = _water_fill(cm, lay, unused)
     return lay
+
+
+def _all_partitions(L: int):
+    for mask in range(1 << (L - 1)):
+        yield [0, *(b for b in range(1, L) if mask >> (b - 1) & 1), L]
+
+
+def _descend_from_partitions(cm: CostModel, seeds: list[_Layout]) -> list[_Layout]:
+    """Score candidate partitions by their best replica assignment; descend from the best few.
+
+    Candidates: the seeds' partitions and a compute-balanced partition per depth, with their
+    mirror images (the two ends skip different transfers), and every partition when there are
+    few. With many peers (the fluid regime, where the seeds' depths are already right) only the
+    partitions of seeds within 1.5x of the best are tried.
+    """
+    L = cm.n_layers
+    large = cm.n_peers * cm.n_layers * min(cm.n_peers, L) > _DEPTH_SWEEP_BUDGET
+    if large:
+        floor = min(_value(cm, s) for s in seeds)
+        starts = [s.bounds for s in seeds if _value(cm, s) <= 1.5 * floor]
+    else:
+        starts = [s.bounds for s in seeds] + [_balanced_bounds(cm, k) for k in range(1, min(cm.n_peers, L) + 1)]
+        starts += [_mirror(b, L) for b in starts]
+        if (1 << (L - 1)) * cm.n_peers <= _PARTITION_ENUM_BUDGET:
+            starts += list(_all_partitions(L))
+    scored = []
+    for bounds in {tuple(b): list(b) for b in starts}.values():
+        if len(bounds) - 1 > cm.n_peers:
+            continue
+        val, lay = _assign_value(cm, bounds)
+        if lay is not None:
+            scored.append((val, lay))
+    scored.sort(key=lambda vl: vl[0])
+    return [_alternate(cm, lay, rounds=2 if large else 4) for _, lay in scored[: 1 if large else 4]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +960,7 @@ def _solo_pool(cm: CostModel, replicas: bool) -> np.ndarray:
     """Peers the one-per-block search considers: all of them, or, when replicas will absorb the
     rest anyway, the fastest and the roomiest few (a pipeline never has more than L stages)."""
     everyone = np.arange(cm.n_peers)
-    keep = 2 * cm.n_layers + 8
+    keep = cm.n_layers + 4
     if not replicas or cm.n_peers <= 2 * keep:
         return everyone
     one_layer = cm.block_times(everyone, 0, 1)
@@ -549,11 +985,15 @@ def plan(peers: Sequence[PeerSpec], model: ModelSpec, *, replicas: bool = True, 
 
     pool = _solo_pool(cm, replicas)
     seed = _solo_check(cm, pool, _MEMORY_ONLY)
-    if seed is None and pool.size < cm.n_peers:
-        seed = _solo_check(cm, everyone, _MEMORY_ONLY)
+    if seed is None:
+        seed = _memory_cover(cm)
         pool = everyone
-    if seed is not None:
-        candidates.append(_bisect(cm, lambda t: _solo_check(cm, pool, t), lower, seed, rel_tol))
+    if seed is not None and (not replicas or cm.n_peers <= _CHAIN_MAX_PEERS_PER_LAYER * cm.n_layers):
+        check = lambda t: _solo_check(cm, pool, t, groups_ok=replicas)  # noqa: E731
+        # With replicas this seed is refined later, so a coarser search is enough.
+        candidates.append(_bisect(cm, check, lower, seed, rel_tol if not replicas else max(rel_tol, 1e-4)))
+    elif seed is not None:
+        candidates.append(seed)
 
     if replicas:
         order = np.lexsort((-cm.speed, -cm.memory))
@@ -563,7 +1003,7 @@ def plan(peers: Sequence[PeerSpec], model: ModelSpec, *, replicas: bool = True, 
             hi *= 4.0
             seed = _run_check(cm, order, hi)
         if seed is not None:
-            candidates.append(_bisect(cm, lambda t: _run_check(cm, order, t), lower, seed, max(rel_tol, 1e-4)))
+            candidates.append(_bisect(cm, lambda t: _run_check(cm, order, t), lower, seed, max(rel_tol, 5e-3)))
 
     if not candidates:
         raise InfeasiblePlanError(
@@ -571,5 +1011,14 @@ def plan(peers: Sequence[PeerSpec], model: ModelSpec, *, replicas: bool = True, 
             f"({cm.mem_cum[-1]:.0f} bytes needed, {cm.memory.sum():.0f} free in total across "
             f"{cm.n_peers} peers, each holding one contiguous block)"
         )
-    polished = [_polish(cm, lay, replicas) for lay in candidates]
-    return _to_plan(cm, min(polished, key=lambda lay: _value(cm, lay)))
+    candidates = [_polish(cm, lay, replicas) for lay in candidates]
+    if replicas:
+        candidates += [_polish(cm, lay, replicas) for lay in _descend_from_partitions(cm, candidates)]
+    best = min(candidates, key=lambda lay: _value(cm, lay))
+    if cm.n_peers <= _LOCAL_SEARCH_MAX_PEERS and cm.n_layers <= _LOCAL_SEARCH_MAX_LAYERS:
+        used = {p for g in best.groups for p in g}
+        best, _ = _local_search(cm, best, [p for p in range(cm.n_peers) if p not in used], replicas)
+        if replicas:
+            best = _partition_search(cm, best)
+        best = _polish(cm, best, replicas)
+    return _to_plan(cm, best)
