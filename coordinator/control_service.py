@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_STATE_BYTES = 8 << 30
+MAX_PROBE_BYTES = 2 << 20
 
 
 class ControlService(cgrpc.ControlServicer):
@@ -44,6 +45,8 @@ class ControlService(cgrpc.ControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer_id must be 1..128 characters")
         try:
             session = self.run.register(request)
+        except PermissionError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         try:
@@ -77,3 +80,8 @@ class ControlService(cgrpc.ControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.run.on_state(chunk.peer_id, chunk.stage, tensors)
         return cpb.UploadReply(tensors=len(tensors))
+
+    async def Probe(self, request: cpb.ProbeRequest, context: grpc.aio.ServicerContext) -> cpb.ProbeReply:  # noqa: N802
+        if request.reply_bytes > MAX_PROBE_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"probes are limited to {MAX_PROBE_BYTES} bytes")
+        return cpb.ProbeReply(payload=bytes(request.reply_bytes))

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.membership import Membership
 from coordinator.swarm_run import RunSettings, SwarmRun
 from swarm.lifecycle import DIE_WITH_PARENT_ENV
 
@@ -30,10 +31,10 @@ class PeerProcess:
     log_path: Path
 
 
-def spawn_peer(name: str, coordinator: str, log_dir: Path, threads: int, device: str) -> PeerProcess:
+def spawn_peer(name: str, join_args: list[str], log_dir: Path, threads: int, device: str) -> PeerProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "peer.cli", "join", "--coordinator", coordinator, "--name", name,
+    cmd = [sys.executable, "-m", "peer.cli", "join", *join_args, "--name", name,
            "--threads", str(threads), "--device", device]
     out = log_path.open("w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(threads, 1)),
@@ -61,12 +62,17 @@ def stop_processes(peers: list[PeerProcess], grace: float = 15.0) -> None:
             p.proc.wait()
 
 
-async def run_local(settings: RunSettings, *, threads: int, device: str) -> int:
+async def run_local(settings: RunSettings, membership: Membership, *, threads: int, device: str,
+                    heartbeat: float) -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
-    run = SwarmRun(settings)
+    run = SwarmRun(settings, membership)
     port = await run.start_server()
-    coordinator = f"127.0.0.1:{port}"
-    run.progress.message(f"coordinator on {coordinator}; run {settings.name} in {settings.run_dir}")
+    run.progress.message(f"coordinator on 127.0.0.1:{port}, swarm {settings.swarm!r}; "
+                         f"run {settings.name} in {settings.run_dir}")
+    join_args = ["--swarm", settings.swarm, "--coordinator-key", membership.public_key,
+                 "--heartbeat", str(heartbeat)]
+    for maddr in membership.maddrs():
+        join_args += ["--initial-peers", maddr]
     loop = asyncio.get_running_loop()
     interrupts = 0
 
@@ -85,7 +91,7 @@ async def run_local(settings: RunSettings, *, threads: int, device: str) -> int:
     watcher = None
     try:
         for i in range(settings.peers):
-            peers.append(spawn_peer(f"peer-{i}", coordinator, settings.run_dir / "logs", threads, device))
+            peers.append(spawn_peer(f"peer-{i}", join_args, settings.run_dir / "logs", threads, device))
         run.progress.message(f"started {len(peers)} peers; logs in {settings.run_dir / 'logs'}")
         watcher = asyncio.create_task(_watch(peers, run))
         code = await run.run()

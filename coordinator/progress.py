@@ -40,7 +40,7 @@ class Progress:
             self._status = None
 
     def message(self, text: str) -> None:
-        self.console.print(text)
+        self.console.print(text, soft_wrap=True)
 
     def on_step(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         self.step, self.loss = step, loss
@@ -75,4 +75,4 @@ class Progress:
         now = time.monotonic()
         if force or now - self._printed >= self.every_s:
             self._printed = now
-            self.console.print(self._line())
+            self.console.print(self._line(), soft_wrap=True)

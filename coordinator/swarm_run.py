@@ -18,10 +18,13 @@ import torch
 
 from coordinator.artifacts import RunArtifacts
 from coordinator.control_service import ControlService
+from coordinator.membership import Membership, make_plan
 from coordinator.progress import Progress
 from swarm.config import ModelConfig, TrainConfig
+from swarm.dht_schema import PeerRecord, Plan
 from swarm.messages import model_to_pb, train_to_pb
 from swarm.model import even_split
+from swarm.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.transport import GRPC_OPTIONS
@@ -59,11 +62,19 @@ class RunSettings:
     ready_timeout: float = 120.0
     state_timeout: float = 120.0
     model_name: str = "custom"
+    swarm: str = "ravn"
+    announce: str = ""
 
 
 class SwarmRun:
-    def __init__(self, settings: RunSettings, progress: Progress | None = None) -> None:
+    def __init__(self, settings: RunSettings, membership: Membership, progress: Progress | None = None) -> None:
         self.s = settings
+        self.membership = membership
+        self.plan: Plan | None = None
+        self.plan_version = 0
+        self.planned: dict[str, tuple[int, int, str]] = {}  # peer id -> (layer_start, layer_end, endpoint)
+        self.uncovered: list[str] = []
+        self._departures: list[str] = []
         self.run_id = settings.name
         self.sessions: dict[str, PeerSession] = {}
         self.artifacts = RunArtifacts(settings.run_dir)
@@ -72,6 +83,7 @@ class SwarmRun:
         self.val_losses: list[tuple[int, float]] = []
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.port = 0
+        self.control_endpoint = ""
         self._joined = asyncio.Event()
         self._ready = asyncio.Event()
         self._finished = asyncio.Event()
@@ -87,12 +99,18 @@ class SwarmRun:
     def register(self, req: cpb.JoinRequest) -> PeerSession:
         if req.peer_id in self.sessions:
             raise ValueError(f"a peer named {req.peer_id!r} already joined; pick another --name")
-        if len(self.sessions) >= self.s.peers:
-            raise ValueError(f"this run already has its {self.s.peers} peers")
+        if req.peer_id not in self.planned:
+            raise PermissionError(f"peer {req.peer_id!r} is not in the current plan of swarm {self.s.swarm!r}")
+        if req.endpoint != self.planned[req.peer_id][2]:
+            raise PermissionError(f"peer {req.peer_id!r} joined from {req.endpoint}, but its DHT record "
+                                  f"announced {self.planned[req.peer_id][2]}")
         session = PeerSession(req.peer_id, req.endpoint, req.device, req.free_memory)
         self.sessions[req.peer_id] = session
+        assignment = self._assignment(req.peer_id)
+        session.stage = assignment.stage
+        session.commands.put_nowait(cpb.Command(assign=assignment))
         log.info("peer %s joined from %s (%s)", req.peer_id, req.endpoint, req.device)
-        if len(self.sessions) == self.s.peers:
+        if set(self.sessions) == set(self.planned):
             self._joined.set()
         return session
 
@@ -100,8 +118,9 @@ class SwarmRun:
         return peer_id in self.sessions
 
     def lost(self, peer_id: str, why: str) -> None:
-        if not self._finished.is_set() or not self._states_in.is_set():
-            self.fail(f"peer {peer_id} left the run: {why}")
+        """A control stream broke; whether the peer is gone is for its DHT record to tell."""
+        if not self._states_in.is_set():
+            log.warning("peer %s: %s", peer_id, why)
 
     def fail(self, reason: str) -> None:
         if self._failure is None and not self._stop_requested.is_set():
@@ -145,6 +164,7 @@ class SwarmRun:
         if self.port == 0:
             raise RunFailed(f"cannot listen on {self.s.host}:{self.s.port}; is the port in use?")
         await self._server.start()
+        self.control_endpoint = grpc_target_to_multiaddr(f"{self.s.announce or self.s.host}:{self.port}")
         return self.port
 
     def request_stop(self) -> None:
@@ -165,37 +185,112 @@ class SwarmRun:
             raise KeyboardInterrupt
         raise RunFailed(f"timed out after {timeout:.0f} s waiting for {what}")
 
-    def _plan(self) -> list[PeerSession]:
-        order = list(self.sessions.values())
-        bounds = even_split(self.s.model.n_layers, len(order))
-        for stage, session in enumerate(order):
-            session.stage = stage
-        for stage, (session, (a, b)) in enumerate(zip(order, bounds, strict=True)):
-            up = order[stage - 1] if stage > 0 else None
-            down = order[stage + 1] if stage + 1 < len(order) else None
-            assign = cpb.Assignment(
-                run_id=self.run_id, stage=stage, num_stages=len(order), layer_start=a, layer_end=b,
-                model=model_to_pb(self.s.model), train=train_to_pb(self.s.train),
-                upstream_endpoint=up.endpoint if up else "", downstream_endpoint=down.endpoint if down else "",
-                upstream_peer=up.peer_id if up else "", downstream_peer=down.peer_id if down else "",
-            )
-            session.commands.put_nowait(cpb.Command(assign=assign))
-            self.artifacts.log("assign", peer=session.peer_id, stage=stage, layers=[a, b])
-        return order
+    # ---- membership and the plan ----------------------------------------------------------------
+    def _plan_for(self, records: list[PeerRecord]) -> Plan:
+        bounds = even_split(self.s.model.n_layers, len(records))
+        self.planned = {r.peer_id: (a, b, r.endpoint) for r, (a, b) in zip(records, bounds, strict=True)}
+        return self._publishable([(a, b, [(r.peer_id, r.endpoint)]) for r, (a, b) in zip(records, bounds, strict=True)])
+
+    def _publishable(self, stages: list[tuple[int, int, list[tuple[str, str]]]]) -> Plan:
+        self.plan_version += 1
+        return make_plan(swarm=self.s.swarm, run_id=self.run_id, version=self.plan_version,
+                         model_name=self.s.model_name, coordinator=self.control_endpoint, stages=stages)
+
+    async def _publish(self, plan: Plan) -> None:
+        self.plan = plan
+        if not await self.membership.publish(plan):
+            log.warning("plan version %d was not stored in the DHT; retrying at the next heartbeat", plan.version)
+
+    async def _keep_plan_alive(self) -> None:
+        while True:
+            await asyncio.sleep(self.membership.s.heartbeat)
+            if self.plan is not None:
+                await self._publish(self.plan)
+
+    async def _gather(self) -> list[PeerRecord]:
+        """Wait until enough peers announce themselves in the DHT; the first ``peers`` by id form the plan."""
+        deadline = time.monotonic() + self.s.join_timeout
+        seen = -1
+        while True:
+            live = [r for r in await self.membership.peers() if r.state != "leaving"]
+            if len(live) != seen:
+                seen = len(live)
+                self.progress.message(f"{seen}/{self.s.peers} peers in swarm {self.s.swarm!r}")
+            if len(live) >= self.s.peers:
+                return sorted(live, key=lambda r: r.peer_id)[: self.s.peers]
+            if time.monotonic() > deadline:
+                raise RunFailed(f"only {len(live)} of {self.s.peers} peers joined swarm {self.s.swarm!r} "
+                                f"within {self.s.join_timeout:.0f} s")
+            await self._tick(self.membership.s.heartbeat)
+
+    async def _tick(self, seconds: float) -> None:
+        """Sleep, but wake for Ctrl-C or a failure."""
+        waiters = [asyncio.ensure_future(e.wait()) for e in (self._failed, self._stop_requested)]
+        await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        if self._failed.is_set() and self._failure:
+            raise RunFailed(self._failure)
+        if self._stop_requested.is_set():
+            raise KeyboardInterrupt
+
+    async def _watch_membership(self) -> None:
+        """Planned peers whose records expire or who leave: their blocks become uncovered."""
+        while True:
+            await asyncio.sleep(self.membership.s.heartbeat)
+            records = {r.peer_id: r for r in await self.membership.peers(include_leaving=True)}
+            for peer_id, (a, b, _) in list(self.planned.items()):
+                record = records.get(peer_id)
+                if record is not None and record.state != "leaving":
+                    continue
+                why = "left gracefully" if record is not None else "stopped heartbeating (its record expired)"
+                del self.planned[peer_id]
+                self.uncovered.append(f"layers [{a},{b})")
+                self.artifacts.log("membership", peer=peer_id, event="left" if record else "expired", layers=[a, b])
+                self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
+                if self.plan is not None:
+                    stages = [(st.layer_start, st.layer_end,
+                               [(p.peer_id, p.endpoint) for p in st.peers if p.peer_id != peer_id])
+                              for st in self.plan.stages]
+                    await self._publish(self._publishable(stages))
+                reason = (f"layers [{a},{b}) are uncovered: peer {peer_id} {why} "
+                          "(automatic rebalancing is not available yet)")
+                self._departures.append(reason)
+                if not self._finished.is_set():
+                    self.fail(reason)
+
+    def _assignment(self, peer_id: str) -> cpb.Assignment:
+        stages = self.plan.stages
+        index = next(i for i, st in enumerate(stages) if any(p.peer_id == peer_id for p in st.peers))
+        up = stages[index - 1].peers[0] if index > 0 else None
+        down = stages[index + 1].peers[0] if index + 1 < len(stages) else None
+        st = stages[index]
+        return cpb.Assignment(
+            run_id=self.run_id, stage=index, num_stages=len(stages), layer_start=st.layer_start,
+            layer_end=st.layer_end, model=model_to_pb(self.s.model), train=train_to_pb(self.s.train),
+            upstream_endpoint=up.endpoint if up else "", downstream_endpoint=down.endpoint if down else "",
+            upstream_peer=up.peer_id if up else "", downstream_peer=down.peer_id if down else "",
+        )
 
     async def run(self) -> int:
         """Drive the run to its end; returns the process exit code."""
         s = self.s
-        self.artifacts.write_config(s.model, s.train, {"run_id": self.run_id, "peers": s.peers})
+        self.artifacts.write_config(s.model, s.train, {"run_id": self.run_id, "peers": s.peers, "swarm": s.swarm})
         code = 0
+        background = [asyncio.create_task(self._keep_plan_alive())]
         try:
-            await self._wait(self._joined, s.join_timeout, f"{s.peers} peers to join")
-            order = self._plan()
-            self.progress.message(
-                "plan: " + ", ".join(f"{p.peer_id}=layers[{a},{b})" for p, (a, b) in
-                                     zip(order, even_split(s.model.n_layers, len(order)), strict=True)))
+            await self._publish(self._publishable([(0, s.model.n_layers, [])]))  # the swarm exists: come in
+            records = await self._gather()
+            await self._publish(self._plan_for(records))
+            self.progress.message("plan: " + ", ".join(
+                f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items()))
+            for peer_id, (a, b, _) in self.planned.items():
+                self.artifacts.log("assign", peer=peer_id, layers=[a, b])
+            background.append(asyncio.create_task(self._watch_membership()))
+            await self._wait(self._joined, s.join_timeout, "the planned peers to dial in")
             await self._wait(self._ready, s.ready_timeout, "every peer to load its block")
-            order[0].commands.put_nowait(cpb.Command(start=cpb.Start(first_step=0, num_steps=s.train.steps)))
+            first = next(x for x in self.sessions.values() if x.stage == 0)
+            first.commands.put_nowait(cpb.Command(start=cpb.Start(first_step=0, num_steps=s.train.steps)))
             self._started = True
             self.progress.start()
             await self._wait(self._finished, float("inf"), "training to finish")
@@ -205,10 +300,17 @@ class SwarmRun:
             if self._started and not self._failed.is_set():
                 await self._stop_after_step()
         except RunFailed as e:
-            self.progress.message(f"run failed: {e}")
+            if self._started and not self.uncovered:  # give the DHT time to tell who is gone
+                await asyncio.sleep(0)
+                deadline = time.monotonic() + self.membership.ttl + 2 * self.membership.s.heartbeat
+                while not self.uncovered and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+            self.progress.message(f"run failed: {self._departures[0] if self._departures else e}")
             code = 1
         finally:
             self.progress.stop()
+            for task in background:
+                task.cancel()
         if code == 0 or (code == 130 and self._finished.is_set()):
             await self._collect_and_save()
         await self._release()

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from peer.discovery import Discovery, DiscoveryError
 from peer.driver import SyncDriver
+from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
 from swarm.codec_policy import WirePolicy
-from swarm.config import PROTOCOL_VERSION
-from swarm.messages import assignment_configs
+from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION
+from swarm.dht_schema import PeerRecord, Plan
+from swarm.measure import device_name, free_memory_bytes, layer_throughput
+from swarm.messages import AssignmentError, assignment_configs, check_assignment
 from swarm.multiaddrs import grpc_target_to_multiaddr, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
@@ -39,7 +43,6 @@ SOFTWARE_VERSION = "0.1.0"
 class PeerSettings:
     """Everything a peer needs to know before it has an assignment."""
 
-    coordinator: str
     peer_id: str
     host: str = "127.0.0.1"
     port: int = 0
@@ -49,6 +52,7 @@ class PeerSettings:
     report_interval: float = 1.0
     step_timeout: float = 300.0
     link_timeout: float = 30.0
+    plan_timeout: float = 600.0
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -60,8 +64,10 @@ class PeerSettings:
 class PeerDaemon:
     """Owns the server, the coordinator session, the links and the stage runner of one peer."""
 
-    def __init__(self, settings: PeerSettings) -> None:
+    def __init__(self, settings: PeerSettings, discovery: Discovery | None = None) -> None:
         self.settings = settings
+        self.discovery = discovery
+        self.plan: Plan | None = None
         self.peer_id = settings.peer_id
         self.device = settings.resolved_device()
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
@@ -99,21 +105,60 @@ class PeerDaemon:
         return self.endpoint
 
     async def run(self) -> int:
-        """Serve until the coordinator says shutdown or the session breaks; returns an exit code."""
+        """Find the swarm, serve until the coordinator says shutdown or the session breaks; an exit code."""
         if self.settings.threads > 0:
             torch.set_num_threads(self.settings.threads)
-        await self.start_server()
-        self._channel = grpc.aio.insecure_channel(self.settings.coordinator, options=GRPC_OPTIONS)
+        disc = self.discovery
+        try:
+            disc.start()  # the DHT forks a process: before any gRPC thread exists
+            log.info("DHT up; looking for swarm %r", disc.s.swarm)
+            plan = await self._unless_stopped(disc.find_swarm())
+            await self.start_server()
+            record = await self._measure(plan)
+            await disc.announce(record)
+            self._tasks.append(asyncio.create_task(disc.heartbeat(), name="heartbeat"))
+            log.info("announced in swarm %r (%.1f layers/s, %.1f/%.1f MB/s up/down); waiting for a block",
+                     disc.s.swarm, record.throughput_layers_per_s, record.bandwidth_up_bytes_per_s / 1e6,
+                     record.bandwidth_down_bytes_per_s / 1e6)
+            self.plan = await self._unless_stopped(disc.wait_for_block(self.peer_id, self.settings.plan_timeout))
+            return await self._session(multiaddr_to_grpc_target(self.plan.coordinator))
+        except DiscoveryError as e:
+            log.error("%s", e)
+            return 2
+        except asyncio.CancelledError:
+            return 0
+        finally:
+            await self.close()
+
+    async def _unless_stopped(self, coro):
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            raise asyncio.CancelledError
+        stop.cancel()
+        return task.result()
+
+    async def _measure(self, plan: Plan) -> PeerRecord:
+        cfg = MODEL_PRESETS.get(plan.model_name, MODEL_PRESETS["gpt-small"])
+        throughput = await self.run_compute(layer_throughput, cfg, self.device)
+        up, down = await measure_bandwidth(multiaddr_to_grpc_target(plan.coordinator))
+        return PeerRecord(
+            peer_id=self.peer_id, endpoint=self.endpoint, device=device_name(self.device),
+            free_memory_bytes=free_memory_bytes(self.device), throughput_layers_per_s=throughput,
+            bandwidth_up_bytes_per_s=up, bandwidth_down_bytes_per_s=down, state="joining",
+            software_version=SOFTWARE_VERSION, protocol_version=PROTOCOL_VERSION, timestamp=time.time(),
+        )
+
+    async def _session(self, coordinator: str) -> int:
+        """The control session with the coordinator: obey its commands in order."""
+        self._channel = grpc.aio.insecure_channel(coordinator, options=GRPC_OPTIONS)
         self._control = cgrpc.ControlStub(self._channel)
-        code = 0
         try:
             join = cpb.JoinRequest(
-                peer_id=self.peer_id,
-                endpoint=self.endpoint,
-                protocol_version=PROTOCOL_VERSION,
-                device=self.device,
-                free_memory=_free_memory(self.device),
-                software_version=SOFTWARE_VERSION,
+                peer_id=self.peer_id, endpoint=self.endpoint, protocol_version=PROTOCOL_VERSION,
+                device=self.device, free_memory=free_memory_bytes(self.device), software_version=SOFTWARE_VERSION,
             )
             commands = self._control.Join(join)
             self._tasks.append(asyncio.create_task(self._report_loop(), name="report"))
@@ -135,14 +180,22 @@ class PeerDaemon:
                     break
         except grpc.aio.AioRpcError as e:
             if not self.stopping.is_set():
-                log.error("lost the coordinator at %s: %s", self.settings.coordinator, e.details())
-                code = 2
-        finally:
-            await self.close()
-        return code
+                log.error("lost the coordinator at %s: %s", coordinator, e.details())
+                return 2
+        except (TimeoutError, AssignmentError) as e:
+            log.error("%s", e)
+            await self.fail(str(e))
+            return 2
+        return 0
 
     async def close(self) -> None:
         self.stopping.set()
+        if self.discovery is not None:
+            try:
+                await asyncio.wait_for(self.discovery.leave(), 10)
+            except Exception as e:  # noqa: BLE001 - leaving is best effort; the record expires anyway
+                log.warning("could not withdraw this peer's record: %s", e)
+            self.discovery.shutdown()
         if self.driver is not None:
             self.driver.cancel()
         for link in (self.upstream, self.downstream):
@@ -158,6 +211,8 @@ class PeerDaemon:
 
     # ---- commands -------------------------------------------------------------------------------
     async def _on_assign(self, a: cpb.Assignment) -> None:
+        if self.plan is not None:
+            check_assignment(a, self.plan, self.peer_id)
         model_cfg, train_cfg = assignment_configs(a)
         self.policy = WirePolicy(forward=train_cfg.wire_forward, backward=train_cfg.wire_backward)
         self.runner = await self.run_compute(
@@ -174,6 +229,10 @@ class PeerDaemon:
             self._tasks.append(asyncio.create_task(self._dial_downstream(a), name="downstream"))
             await asyncio.wait_for(self.downstream_ready.wait(), self.settings.link_timeout)
         await self.report(ready=True)
+        if self.discovery is not None and self.discovery.record is not None:
+            block = {"layer_start": a.layer_start, "layer_end": a.layer_end}
+            online = {**self.discovery.record.to_dht_value(), "state": "online", "block": block}
+            await self.discovery.announce(PeerRecord.model_validate(online))
 
     def _start_driver(self, start: cpb.Start) -> None:
         if self.driver is None:
@@ -326,14 +385,4 @@ async def _until(stream, stop: asyncio.Task):
             yield nxt.result()
         except StopAsyncIteration:
             return
-
-
-def _free_memory(device: str) -> int:
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info()
-        return int(free)
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
 

@@ -153,6 +153,13 @@ class Plan(_Strict):
     model_name: PrintableText
     stages: Annotated[list[PlanStage], Field(min_length=1, max_length=MAX_STAGES)]
     issued_at: Timestamp
+    coordinator: Multiaddress  # the coordinator's Control gRPC service, dialled by the peers
+    protocol_version: Annotated[int, Field(ge=0, le=MAX_UINT32)]
+
+    @field_validator("coordinator")
+    @classmethod
+    def _coordinator_is_dialable(cls, value: str) -> str:
+        return canonical_endpoint(value)
 
     @model_validator(mode="after")
     def _contiguous_pipeline(self) -> Plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from swarm.config import ModelConfig, TrainConfig
+from swarm.dht_schema import Plan
 from swarm.pb import control_pb2 as cpb
 from swarm.wire import codec_from_pb, codec_to_pb
 
@@ -65,3 +66,32 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
 def assignment_configs(a: cpb.Assignment) -> tuple[ModelConfig, TrainConfig]:
     """The model and recipe an assignment carries; raises ValueError for inconsistent values."""
     return model_from_pb(a.model), train_from_pb(a.train)
+
+
+class AssignmentError(ValueError):
+    """An assignment that the signed plan does not back: never act on it."""
+
+
+def check_assignment(a: cpb.Assignment, plan: Plan, peer_id: str) -> None:
+    """The coordinator's gRPC assignment must say exactly what its signed DHT plan says."""
+    stages = plan.stages
+    index = next((i for i, st in enumerate(stages) if any(p.peer_id == peer_id for p in st.peers)), None)
+    if index is None:
+        raise AssignmentError(f"the signed plan v{plan.version} gives peer {peer_id} no block")
+    st = stages[index]
+    up = stages[index - 1].peers if index > 0 else []
+    down = stages[index + 1].peers if index + 1 < len(stages) else []
+    problems = []
+    if (a.stage, a.num_stages, a.layer_start, a.layer_end) != (index, len(stages), st.layer_start, st.layer_end):
+        problems.append(f"stage {a.stage}/{a.num_stages} layers [{a.layer_start},{a.layer_end}) vs signed "
+                        f"{index}/{len(stages)} [{st.layer_start},{st.layer_end})")
+    if a.run_id != plan.run_id:
+        problems.append(f"run {a.run_id!r} vs signed {plan.run_id!r}")
+    if a.upstream_peer and (a.upstream_peer, a.upstream_endpoint) not in {(p.peer_id, p.endpoint) for p in up}:
+        problems.append(f"upstream {a.upstream_peer} at {a.upstream_endpoint} is not in the signed plan")
+    if a.downstream_peer and (a.downstream_peer, a.downstream_endpoint) not in {(p.peer_id, p.endpoint) for p in down}:
+        problems.append(f"downstream {a.downstream_peer} at {a.downstream_endpoint} is not in the signed plan")
+    if bool(a.upstream_peer) != bool(up) or bool(a.downstream_peer) != bool(down):
+        problems.append("neighbours differ from the signed plan")
+    if problems:
+        raise AssignmentError("assignment does not match the coordinator's signed plan: " + "; ".join(problems))

@@ -30,19 +30,3 @@ def run_ravn_local(runs_dir: Path, name: str, *args: str, timeout: float = 240) 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def processes_with(marker: str) -> list[int]:
-    """PIDs of live processes whose command line contains ``marker``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
-        except OSError:
-            continue
-        if marker in cmdline and "Z" not in state.split()[1:2]:
-            pids.append(int(entry.name))
-    return pids

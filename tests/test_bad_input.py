@@ -11,8 +11,8 @@ import torch
 
 from peer.daemon import PeerDaemon, PeerSettings
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
-from swarm.endpoints import endpoint_to_target
 from swarm.messages import model_to_pb, train_to_pb
+from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
@@ -80,7 +80,7 @@ async def exchange(target: str, outgoing: list[pb.Frame]) -> tuple[list[pb.Packe
 
 
 async def with_peer(test) -> None:
-    daemon = PeerDaemon(PeerSettings(coordinator="127.0.0.1:1", peer_id="last", device="cpu"))
+    daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu"))
     endpoint = await daemon.start_server()
     assignment = cpb.Assignment(
         run_id="run",
@@ -95,7 +95,7 @@ async def with_peer(test) -> None:
     )
     await daemon._on_assign(assignment)
     try:
-        await test(endpoint_to_target(endpoint), daemon)
+        await test(multiaddr_to_grpc_target(endpoint), daemon)
     finally:
         await daemon.close()
 

@@ -92,6 +92,8 @@ def make_plan(swarm: str, version: int = 1, **overrides: object) -> dict:
         run_id="run-1",
         version=version,
         model_name="gpt-small",
+        coordinator="/ip4/127.0.0.1/tcp/31337",
+        protocol_version=1,
         stages=[
             {"layer_start": 0, "layer_end": 3, "peers": [{"peer_id": "peer-a", "endpoint": "/ip4/10.0.0.1/tcp/1"}]},
             {"layer_start": 3, "layer_end": 6, "peers": [{"peer_id": "peer-b", "endpoint": "/dns/b.example/tcp/2"}]},

@@ -1,17 +1,15 @@
 """``ravn local`` as a user runs it: the loss falls, artefacts appear, the checkpoint reloads, Ctrl-C is clean."""
 
-import os
 import re
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import torch
 
 from swarm.checkpoint import load_checkpoint
 from swarm.data import Corpus
-from tests.conftest import ROOT, processes_with, ravn_cmd, read_metrics, run_ravn_local
+from tests.conftest import ravn_cmd, read_metrics, run_ravn_local
+from tests.swarm_procs import Proc, assert_all_gone
 
 
 def validation_loss(model: torch.nn.Module, batches: int, batch_size: int, context: int) -> float:
@@ -46,52 +44,16 @@ def test_local_swarm_trains_and_checkpoint_reloads(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    cmd = ravn_cmd(
-        "local",
-        "--runs-dir",
-        str(tmp_path),
-        "--name",
-        "interrupted",
-        "--peers",
-        "3",
-        "--steps",
-        "100000",
-        "--eval-every",
-        "0",
-    )
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    marker, lines = None, []
+    proc = Proc(ravn_cmd("local", "--runs-dir", str(tmp_path), "--name", "interrupted", "--peers", "3",
+                         "--steps", "100000", "--eval-every", "0"))
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"coordinator on (127\.0\.0\.1:\d+)", line)
-            if m:
-                marker = f"--coordinator {m.group(1)}"
-            if line.startswith("step "):
-                break
-        assert marker and lines[-1].startswith("step "), "".join(lines)
-        assert len(processes_with(marker)) == 3
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        proc.wait_for(r"^step \d+/", 180)
+        tree = proc.tree()
+        assert len(tree) >= 1 + 3 + 4 * 2, "ravn, 3 peers, and a DHT process with its p2pd for each of the 4"
+        proc.popen.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 130, proc.output
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, "".join(lines) + out
-    assert "interrupted" in out
-    assert "checkpoint:" in out, "an interrupted run still saves its last complete step"
-    deadline = time.monotonic() + 10
-    while processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert processes_with(marker) == [], "peer processes survived Ctrl-C"
+        proc.stop()
+    assert "interrupted" in proc.output
+    assert "checkpoint:" in proc.output, "an interrupted run still saves its last complete step"
+    assert_all_gone(tree)

@@ -216,3 +216,17 @@ class UploadReply(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     tensors: int
     def __init__(self, tensors: _Optional[int] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...

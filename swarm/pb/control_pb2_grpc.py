@@ -50,6 +50,11 @@ class ControlStub:
                 request_serializer=wire__pb2.Frame.SerializeToString,
                 response_deserializer=control__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/ravn.control.Control/Probe',
+                request_serializer=control__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=control__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -75,6 +80,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Bandwidth probe before joining (bounded sizes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.UploadState,
                     request_deserializer=wire__pb2.Frame.FromString,
                     response_serializer=control__pb2.UploadReply.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=control__pb2.ProbeRequest.FromString,
+                    response_serializer=control__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class Control:
             '/ravn.control.Control/UploadState',
             wire__pb2.Frame.SerializeToString,
             control__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravn.control.Control/Probe',
+            control__pb2.ProbeRequest.SerializeToString,
+            control__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

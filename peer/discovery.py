@@ -1,0 +1,148 @@
+"""How a peer finds its swarm: DHT first, then the signed plan, then the coordinator it names.
+
+The peer trusts only plans signed by the coordinator key it was given in its join command; the
+plan tells it where the coordinator's control service is and which block it holds. Its own record
+is re-announced every heartbeat with an expiry of three, so a crashed peer drops out by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+from swarm.config import PROTOCOL_VERSION
+from swarm.dht_node import OwnedDHT
+from swarm.dht_records import announce_peer, dht_record_validators, fetch_plan, load_public_key, withdraw_peer
+from swarm.dht_schema import PeerRecord, Plan, validate_swarm_name
+
+log = logging.getLogger(__name__)
+
+
+class DiscoveryError(RuntimeError):
+    """The peer cannot find or enter its swarm; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    swarm: str
+    initial_peers: tuple[str, ...]
+    coordinator_key: str
+    heartbeat: float = 5.0
+    find_timeout: float = 60.0
+    dht_host: str = "127.0.0.1"
+    dht_port: int = 0
+
+
+def check_initial_peers(maddrs: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """Each initial peer must be a full libp2p multiaddr ending in /p2p/<peer id>."""
+    from multiaddr import Multiaddr
+
+    checked = []
+    for m in maddrs:
+        try:
+            parsed = Multiaddr(m)
+            parsed.value_for_protocol("p2p")
+        except Exception as e:  # noqa: BLE001 - multiaddr raises several types
+            raise DiscoveryError(
+                f"initial peer {m!r} is not a multiaddr like /ip4/1.2.3.4/tcp/31338/p2p/12D3KooW... ({e})"
+            ) from None
+        checked.append(str(parsed))
+    return tuple(checked)
+
+
+class Discovery:
+    def __init__(self, settings: DiscoverySettings) -> None:
+        validate_swarm_name(settings.swarm)
+        self.s = settings
+        self.initial_peers = check_initial_peers(settings.initial_peers)
+        try:
+            self.trusted_key = load_public_key(settings.coordinator_key)
+        except Exception as e:  # noqa: BLE001
+            raise DiscoveryError(f"--coordinator-key is not a public key printed by ravn-coordinator ({e})") from None
+        self.dht: OwnedDHT | None = None
+        self.record: PeerRecord | None = None
+        self._plan_version = 0
+
+    def start(self) -> None:
+        """Start the DHT node; fails fast when no initial peer answers."""
+        ip = "ip6" if ":" in self.s.dht_host else "ip4"
+        try:
+            self.dht = OwnedDHT(
+                start=True,
+                initial_peers=list(self.initial_peers),
+                host_maddrs=[f"/{ip}/{self.s.dht_host}/tcp/{self.s.dht_port}"],
+                record_validators=dht_record_validators(),
+            )
+        except P2PDaemonError as e:
+            raise DiscoveryError(
+                f"cannot reach any initial peer ({', '.join(self.initial_peers)}): "
+                f"{str(e).splitlines()[0][:200]}; check the address and that the coordinator runs"
+            ) from None
+
+    async def find_swarm(self) -> Plan:
+        """The coordinator's current plan; proof that the swarm exists and who coordinates it."""
+        deadline = time.monotonic() + self.s.find_timeout
+        while time.monotonic() < deadline:
+            plan = await self.fetch()
+            if plan is not None:
+                if plan.protocol_version != PROTOCOL_VERSION:
+                    raise DiscoveryError(
+                        f"swarm {self.s.swarm!r} speaks protocol version {plan.protocol_version}, "
+                        f"this peer speaks {PROTOCOL_VERSION}; install a matching ravn-swarm"
+                    )
+                return plan
+            await asyncio.sleep(min(1.0, self.s.heartbeat))
+        raise DiscoveryError(
+            f"no coordinator of swarm {self.s.swarm!r} answered through the initial peers within "
+            f"{self.s.find_timeout:.0f} s: check --swarm and --coordinator-key "
+            "(ravn-coordinator serve prints the exact join command)"
+        )
+
+    async def fetch(self) -> Plan | None:
+        body = await asyncio.to_thread(
+            fetch_plan, self.dht, self.s.swarm, self.trusted_key, min_version=self._plan_version
+        )
+        if body is None:
+            return None
+        plan = Plan.model_validate(body)
+        self._plan_version = plan.version
+        return plan
+
+    async def wait_for_block(self, peer_id: str, timeout: float) -> Plan:
+        """Wait for a signed plan that gives this peer a block."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            plan = await self.fetch()
+            if plan is not None and any(p.peer_id == peer_id for st in plan.stages for p in st.peers):
+                return plan
+            await asyncio.sleep(min(1.0, self.s.heartbeat))
+        raise DiscoveryError(
+            f"the coordinator of swarm {self.s.swarm!r} gave this peer no block within {timeout:.0f} s "
+            "(the swarm may be full)"
+        )
+
+    async def announce(self, record: PeerRecord) -> None:
+        self.record = record
+        ok = await asyncio.to_thread(announce_peer, self.dht, self.s.swarm, record, 3 * self.s.heartbeat)
+        if not ok:
+            log.warning("announcing this peer in the DHT failed; retrying at the next heartbeat")
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.heartbeat)
+            if self.record is not None:
+                await self.announce(self.record)
+
+    async def leave(self) -> None:
+        """Graceful leave: a 'leaving' record hides this peer at once."""
+        if self.dht is not None and self.record is not None:
+            await asyncio.to_thread(withdraw_peer, self.dht, self.s.swarm, self.record, 3 * self.s.heartbeat)
+
+    def shutdown(self) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
