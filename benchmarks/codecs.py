@@ -163,24 +163,31 @@ def plot(rows: list[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_err, ax_speed) = plt.subplots(1, 2, figsize=(13, 5))
-    markers = {"activations": "o", "gradients": "s"}
-    for r in rows:
-        if r.rel_err > 0:
-            ax_err.scatter(r.ratio, r.rel_err, marker=markers.get(r.tensor, "x"))
-            ax_err.annotate(r.codec, (r.ratio, r.rel_err), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    fig, (ax_err, ax_speed) = plt.subplots(1, 2, figsize=(14, 5.5))
+    colours = {"activations": "tab:blue", "gradients": "tab:orange"}
+    for kind, colour in colours.items():
+        pts = [r for r in rows if r.tensor == kind and r.rel_err > 0]
+        ax_err.scatter([r.ratio for r in pts], [r.rel_err for r in pts], color=colour, label=kind)
+        for r in pts:
+            dy = 6 if kind == "activations" else -12
+            ax_err.annotate(r.codec, (r.ratio, r.rel_err), fontsize=8, xytext=(4, dy), textcoords="offset points")
     ax_err.set_xscale("log")
     ax_err.set_yscale("log")
     ax_err.set_xlabel("bytes on the wire / float32 bytes")
-    ax_err.set_ylabel("relative L2 error (o: activations, s: gradients)")
+    ax_err.set_ylabel("relative L2 error ||x - x'|| / ||x||")
     ax_err.set_title("Size vs error (fp32 is exact, not shown)")
+    ax_err.legend()
     acts = [r for r in rows if r.tensor == "activations"]
     idx = range(len(acts))
-    ax_speed.bar([i - 0.2 for i in idx], [r.enc_gbs for r in acts], width=0.4, label="encode")
-    ax_speed.bar([i + 0.2 for i in idx], [r.dec_gbs for r in acts], width=0.4, label="decode")
+    width = 0.27
+    ax_speed.bar([i - width for i in idx], [r.enc_gbs for r in acts], width=width, label="encode")
+    ax_speed.bar(list(idx), [r.dec_gbs for r in acts], width=width, label="decode")
+    both = [r.gb / (r.enc_s + r.dec_s) for r in acts]
+    ax_speed.bar([i + width for i in idx], both, width=width, label="encode + decode")
+    ax_speed.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     ax_speed.set_xticks(list(idx), [r.codec for r in acts], rotation=30, ha="right")
     ax_speed.set_ylabel("GB/s of float32 input, 1 core")
-    ax_speed.set_title("Throughput on activations (best of runs)")
+    ax_speed.set_title("Throughput on activations (best of runs; dashed: 1 GB/s)")
     ax_speed.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
