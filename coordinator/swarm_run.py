@@ -75,6 +75,8 @@ class SwarmRun:
         self.planned: dict[str, tuple[int, int, str]] = {}  # peer id -> (layer_start, layer_end, endpoint)
         self.uncovered: list[str] = []
         self._departures: list[str] = []
+        self._step_tokens: list[int] = []
+        self._train_t0 = 0.0
         self.run_id = settings.name
         self.sessions: dict[str, PeerSession] = {}
         self.artifacts = RunArtifacts(settings.run_dir)
@@ -102,8 +104,10 @@ class SwarmRun:
         if req.peer_id not in self.planned:
             raise PermissionError(f"peer {req.peer_id!r} is not in the current plan of swarm {self.s.swarm!r}")
         if req.endpoint != self.planned[req.peer_id][2]:
-            raise PermissionError(f"peer {req.peer_id!r} joined from {req.endpoint}, but its DHT record "
-                                  f"announced {self.planned[req.peer_id][2]}")
+            raise PermissionError(
+                f"peer {req.peer_id!r} joined from {req.endpoint}, but its DHT record "
+                f"announced {self.planned[req.peer_id][2]}"
+            )
         session = PeerSession(req.peer_id, req.endpoint, req.device, req.free_memory)
         self.sessions[req.peer_id] = session
         assignment = self._assignment(req.peer_id)
@@ -141,6 +145,7 @@ class SwarmRun:
             self._last_step = st.step
             self.artifacts.log("step", step=st.step, loss=st.loss, tokens=st.tokens, seconds=st.seconds)
             self.progress.on_step(st.step, st.loss, st.tokens, st.seconds)
+            self._step_tokens.append(st.tokens)
         for ev in r.evals:
             self.val_losses.append((ev.step, ev.loss))
             self.artifacts.log("eval", step=ev.step, loss=ev.loss, tokens=ev.tokens)
@@ -172,8 +177,11 @@ class SwarmRun:
         self._stop_requested.set()
 
     async def _wait(self, event: asyncio.Event, timeout: float, what: str) -> None:
-        waiters = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._failed.wait()),
-                   asyncio.ensure_future(self._stop_requested.wait())}
+        waiters = {
+            asyncio.ensure_future(event.wait()),
+            asyncio.ensure_future(self._failed.wait()),
+            asyncio.ensure_future(self._stop_requested.wait()),
+        }
         done, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         for w in pending:
             w.cancel()
@@ -193,8 +201,14 @@ class SwarmRun:
 
     def _publishable(self, stages: list[tuple[int, int, list[tuple[str, str]]]]) -> Plan:
         self.plan_version += 1
-        return make_plan(swarm=self.s.swarm, run_id=self.run_id, version=self.plan_version,
-                         model_name=self.s.model_name, coordinator=self.control_endpoint, stages=stages)
+        return make_plan(
+            swarm=self.s.swarm,
+            run_id=self.run_id,
+            version=self.plan_version,
+            model_name=self.s.model_name,
+            coordinator=self.control_endpoint,
+            stages=stages,
+        )
 
     async def _publish(self, plan: Plan) -> None:
         self.plan = plan
@@ -219,8 +233,10 @@ class SwarmRun:
             if len(live) >= self.s.peers:
                 return sorted(live, key=lambda r: r.peer_id)[: self.s.peers]
             if time.monotonic() > deadline:
-                raise RunFailed(f"only {len(live)} of {self.s.peers} peers joined swarm {self.s.swarm!r} "
-                                f"within {self.s.join_timeout:.0f} s")
+                raise RunFailed(
+                    f"only {len(live)} of {self.s.peers} peers joined swarm {self.s.swarm!r} "
+                    f"within {self.s.join_timeout:.0f} s"
+                )
             await self._tick(self.membership.s.heartbeat)
 
     async def _tick(self, seconds: float) -> None:
@@ -249,12 +265,18 @@ class SwarmRun:
                 self.artifacts.log("membership", peer=peer_id, event="left" if record else "expired", layers=[a, b])
                 self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
                 if self.plan is not None:
-                    stages = [(st.layer_start, st.layer_end,
-                               [(p.peer_id, p.endpoint) for p in st.peers if p.peer_id != peer_id])
-                              for st in self.plan.stages]
+                    stages = [
+                        (
+                            st.layer_start,
+                            st.layer_end,
+                            [(p.peer_id, p.endpoint) for p in st.peers if p.peer_id != peer_id],
+                        )
+                        for st in self.plan.stages
+                    ]
                     await self._publish(self._publishable(stages))
-                reason = (f"layers [{a},{b}) are uncovered: peer {peer_id} {why} "
-                          "(automatic rebalancing is not available yet)")
+                reason = (
+                    f"layers [{a},{b}) are uncovered: peer {peer_id} {why} (automatic rebalancing is not available yet)"
+                )
                 self._departures.append(reason)
                 if not self._finished.is_set():
                     self.fail(reason)
@@ -266,10 +288,17 @@ class SwarmRun:
         down = stages[index + 1].peers[0] if index + 1 < len(stages) else None
         st = stages[index]
         return cpb.Assignment(
-            run_id=self.run_id, stage=index, num_stages=len(stages), layer_start=st.layer_start,
-            layer_end=st.layer_end, model=model_to_pb(self.s.model), train=train_to_pb(self.s.train),
-            upstream_endpoint=up.endpoint if up else "", downstream_endpoint=down.endpoint if down else "",
-            upstream_peer=up.peer_id if up else "", downstream_peer=down.peer_id if down else "",
+            run_id=self.run_id,
+            stage=index,
+            num_stages=len(stages),
+            layer_start=st.layer_start,
+            layer_end=st.layer_end,
+            model=model_to_pb(self.s.model),
+            train=train_to_pb(self.s.train),
+            upstream_endpoint=up.endpoint if up else "",
+            downstream_endpoint=down.endpoint if down else "",
+            upstream_peer=up.peer_id if up else "",
+            downstream_peer=down.peer_id if down else "",
         )
 
     async def run(self) -> int:
@@ -282,8 +311,7 @@ class SwarmRun:
             await self._publish(self._publishable([(0, s.model.n_layers, [])]))  # the swarm exists: come in
             records = await self._gather()
             await self._publish(self._plan_for(records))
-            self.progress.message("plan: " + ", ".join(
-                f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items()))
+            self.progress.message("plan: " + ", ".join(f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items()))
             for peer_id, (a, b, _) in self.planned.items():
                 self.artifacts.log("assign", peer=peer_id, layers=[a, b])
             background.append(asyncio.create_task(self._watch_membership()))
@@ -292,6 +320,7 @@ class SwarmRun:
             first = next(x for x in self.sessions.values() if x.stage == 0)
             first.commands.put_nowait(cpb.Command(start=cpb.Start(first_step=0, num_steps=s.train.steps)))
             self._started = True
+            self._train_t0 = time.monotonic()
             self.progress.start()
             await self._wait(self._finished, float("inf"), "training to finish")
         except KeyboardInterrupt:
@@ -314,6 +343,7 @@ class SwarmRun:
         if code == 0 or (code == 130 and self._finished.is_set()):
             await self._collect_and_save()
         await self._release()
+        self._write_summary()
         self._write_plot()
         return code
 
@@ -340,6 +370,29 @@ class SwarmRun:
             merged, self.s.model, {"run_id": self.run_id, "step": str(self._last_step + 1)}
         )
         self.progress.message(f"checkpoint: {path}")
+
+    def _write_summary(self) -> None:
+        tokens = sum(self._step_tokens)
+        wire = sum(x.stats.bytes_sent for x in self.sessions.values())
+        seconds = time.monotonic() - self._train_t0 if self._train_t0 else 0.0
+        summary = {
+            "steps": len(self._step_tokens),
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "wire_bytes": wire,
+            "wire_bytes_per_token": wire / tokens if tokens else 0.0,
+            "effective_batch_tokens": self.s.train.micro_batches * self.s.train.micro_batch_size * self.s.model.context,
+            "wire_forward": self.s.train.wire_forward,
+            "wire_backward": self.s.train.wire_backward,
+            "final_val_loss": self.val_losses[-1][1] if self.val_losses else None,
+        }
+        self.artifacts.log("summary", **summary)
+        if tokens:
+            self.progress.message(
+                f"trained {tokens:,} tokens in {seconds:.0f} s ({summary['tokens_per_s']:,.0f} tok/s); "
+                f"wire {wire / 1e6:,.1f} MB, {summary['wire_bytes_per_token']:,.0f} bytes/token"
+            )
 
     def _write_plot(self) -> None:
         plot = self.artifacts.plot_losses(self.train_losses, self.val_losses)

@@ -1,30 +1,47 @@
 """Which codec each direction uses, and how a stage turns results into packets.
 
 Kept apart from the daemon so the conversion of a stage's tensors into wire packets (and back) is
-one small, testable place, shared by every schedule.
+one small, testable place, shared by every schedule. Gradients sent with a lossy codec go through
+error feedback (one residual per outgoing gradient stream), so what quantisation drops from one
+micro-batch's gradient is sent with the next instead of being lost.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from swarm.codecs import DEFAULT_BLOCK_SIZE
+from swarm.error_feedback import ErrorFeedback
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import DEFAULT_MAX_ELEMENTS, tensor_from_pb, tensor_to_pb
+from swarm.wire import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
+
+LOSSY = {"int8", "int4", "int4_rot"}
 
 
-@dataclass(frozen=True)
+@dataclass
 class WirePolicy:
     forward: str = "fp32"
     backward: str = "fp32"
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_elements: int = DEFAULT_MAX_ELEMENTS
+    _feedback: ErrorFeedback = field(default_factory=ErrorFeedback)
+
+    def _options(self, codec: str, mb: pb.MicroBatch) -> dict:
+        if codec not in LOSSY:
+            return {}
+        return {"block_size": self.block_size, "seed": mb.id}
 
     def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
-        codec = "raw" if not hidden.is_floating_point() else self.forward
-        act = pb.Activations(mb=mb, hidden=tensor_to_pb(hidden, codec))
+        if hidden.is_floating_point():
+            tensor = tensor_to_pb(hidden, self.forward, **self._options(self.forward, mb))
+        else:
+            tensor = tensor_to_pb(hidden, "raw")
+        act = pb.Activations(mb=mb, hidden=tensor)
         if targets is not None:
-            act.targets.CopyFrom(tensor_to_pb(targets.to(torch.int16 if targets.max() < 32768 else torch.int32), "raw"))
+            small = targets.to(torch.int16 if int(targets.max()) < 32768 else torch.int32)
+            act.targets.CopyFrom(tensor_to_pb(small, "raw"))
         return pb.Packet(activations=act)
 
     def gradients(
@@ -32,7 +49,14 @@ class WirePolicy:
     ) -> pb.Packet:
         msg = pb.Gradients(mb=mb, loss_sum=loss_sum, tokens=tokens)
         if grad is not None:
-            msg.grad.CopyFrom(tensor_to_pb(grad, self.backward))
+            if self.backward in LOSSY:
+                try:
+                    enc = self._feedback.encode(grad, self.backward, **self._options(self.backward, mb))
+                except ValueError as e:
+                    raise WireError(str(e)) from e
+                msg.grad.CopyFrom(encoded_to_pb(enc))
+            else:
+                msg.grad.CopyFrom(tensor_to_pb(grad, self.backward))
         return pb.Packet(gradients=msg)
 
     def decode(self, t: pb.Tensor) -> torch.Tensor:
