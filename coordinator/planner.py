@@ -37,9 +37,9 @@ __all__ = ["Plan", "Stage", "evaluate_plan", "plan"]
 
 # Upper end of the time search when only memory matters: finite, so inf (does not fit) stays above it.
 _MEMORY_ONLY = 1e300
-# Local search re-solves the split for every neighbour; it pays only on small instances.
-_LOCAL_SEARCH_MAX_PEERS = 24
-_LOCAL_SEARCH_MAX_LAYERS = 40
+# Local search re-solves the split for every neighbour; it pays only on small instances
+# (peers x layers up to this).
+_LOCAL_SEARCH_MAX_SIZE = 128
 _LOCAL_SEARCH_ROUNDS = 60
 # Budget (peer x block pairs) for the exact split re-optimisation before it narrows its window.
 _SPLIT_BUDGET = 100_000
@@ -49,9 +49,11 @@ _PARTITION_ENUM_BUDGET = 2_048
 _COVER_BUDGET = 2_000_000
 # With more peers than this per layer, replicas dominate and the one-per-block seed is skipped.
 _CHAIN_MAX_PEERS_PER_LAYER = 4
+# Peers x layers up to which every depth is tried and scored with the thorough assignment.
+_SMALL_INSTANCE = 64
 # Exact memory-only feasibility (DP over subsets) up to this many peers.
 _MEMORY_DP_MAX_PEERS = 14
-# Every pipeline depth gets a descent while peers x layers x depths stays under this.
+# Depths near the seeds' get a descent while peers x layers x depths stays under this.
 _DEPTH_SWEEP_BUDGET = 200_000
 
 
@@ -553,8 +555,8 @@ def _mirror(bounds: Sequence[int], L: int) -> list[int]:
     return [L - b for b in reversed(bounds)]
 
 
-def _assign_value(cm: CostModel, bounds: list[int]) -> tuple[float, _Layout | None]:
-    groups = _assign(_rate_matrix(cm, bounds))
+def _assign_value(cm: CostModel, bounds: list[int], thorough: bool = True) -> tuple[float, _Layout | None]:
+    groups = _assign(_rate_matrix(cm, bounds), thorough)
     if groups is None:
         return math.inf, None
     lay = _Layout(list(bounds), groups)
@@ -596,20 +598,21 @@ def _rate_matrix(cm: CostModel, bounds: Sequence[int]) -> np.ndarray:
     return 1.0 / t
 
 
-def _assign(rate: np.ndarray) -> list[list[int]] | None:
+def _assign(rate: np.ndarray, thorough: bool = True) -> list[list[int]] | None:
     """Replica sets for fixed blocks that maximise the smallest stage rate.
 
     Two constructions, each followed by the same repair, and the better kept: the classic
-    max-min greedy (strongest peer first, to the slowest stage it can hold), and, when the
-    instance is small enough, a bisection on the stage time whose check covers the most
-    constrained block first with the peers least useful elsewhere.
+    max-min greedy (strongest peer first, to the slowest stage it can hold), and, if
+    ``thorough`` and the instance is small enough, a bisection on the stage time whose check
+    covers the most constrained block first with the peers least useful elsewhere (it exploits
+    comparative advantage, e.g. a peer with a slow uplink is worth most in the last stage).
     """
     n, k = rate.shape
     fits = rate > 0
     if not fits.any(axis=0).all():
         return None
     options = [_greedy_assign(rate)]
-    if n * k * k <= _COVER_BUDGET:
+    if thorough and n * k * k <= _COVER_BUDGET:
         options.append(_cover_bisect(rate, options[0]))
     best, best_min = None, 0.0
     for where in options:
@@ -617,7 +620,7 @@ def _assign(rate: np.ndarray) -> list[list[int]] | None:
             continue
         total = np.bincount(where[where >= 0], weights=rate[where >= 0, where[where >= 0]], minlength=k)
         _place_rest(rate, where, total)
-        _repair(rate, where, total)
+        _repair(rate, where, total, swaps=thorough)
         if total.min() > best_min:
             best, best_min = where, float(total.min())
     if best is None:
@@ -694,12 +697,13 @@ def _cover(cover: np.ndarray) -> np.ndarray | None:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(here > 0, here / elsewhere, -np.inf)
         pool = here > 0
-        # Bulk step: by ratio, while the block still needs more than any one peer could complete.
+        # Bulk step: take peers by ratio up to the first point where a remaining peer can complete.
         order = np.argsort(-ratio, kind="stable")[: int(pool.sum())]
-        cum = np.cumsum(here[order])
-        bulk = int(np.searchsorted(cum, 1.0 - float(here.max()), side="right"))
+        cum = np.concatenate(([0.0], np.cumsum(here[order])))
+        rest_max = np.concatenate((np.maximum.accumulate(here[order][::-1])[::-1], [0.0]))
+        bulk = int(np.argmax((1.0 - cum <= rest_max) | (cum >= 1.0)))
         members: list[int] = order[:bulk].tolist()
-        got = float(cum[bulk - 1]) if bulk else 0.0
+        got = float(cum[bulk])
         pool[members] = False
         while got < 1.0:
             completes = np.flatnonzero(pool & (here >= 1.0 - got))
@@ -738,7 +742,9 @@ def _cover_bisect(rate: np.ndarray, start: np.ndarray) -> np.ndarray | None:
     return best
 
 
-def _repair(rate: np.ndarray, where: np.ndarray, total: np.ndarray, max_moves: int = 10_000) -> None:
+def _repair(
+    rate: np.ndarray, where: np.ndarray, total: np.ndarray, max_moves: int = 10_000, swaps: bool = True
+) -> None:
     """Local moves into the slowest stage while they raise the minimum rate (in place)."""
     n, k = rate.shape
     if k < 2:
@@ -765,7 +771,7 @@ def _repair(rate: np.ndarray, where: np.ndarray, total: np.ndarray, max_moves: i
             i = int(unplaced[np.argmax(rate[unplaced, low])])
             if min(total[low] + rate[i, low], second) > best_gain * (1 + 1e-12):
                 best_gain, move = min(total[low] + rate[i, low], second), ("add", i)
-        if move is None and n <= 400:
+        if move is None and swaps and n <= 400:
             move = _best_swap(rate, where, total, low, order)
         if move is None:
             return
@@ -914,30 +920,44 @@ def _all_partitions(L: int):
 def _descend_from_partitions(cm: CostModel, seeds: list[_Layout]) -> list[_Layout]:
     """Score candidate partitions by their best replica assignment; descend from the best few.
 
-    Candidates: the seeds' partitions and a compute-balanced partition per depth, with their
-    mirror images (the two ends skip different transfers), and every partition when there are
-    few. With many peers (the fluid regime, where the seeds' depths are already right) only the
-    partitions of seeds within 1.5x of the best are tried.
+    Three regimes, by size. *Small* (a few peers and layers): every depth's compute-balanced
+    partition and its mirror image (the two ends skip different transfers), every partition
+    when there are few, all scored with the thorough assignment. *Medium*: depths within two of
+    the seeds', scored by the greedy assignment, the best four refined. *Large* (the fluid
+    regime, where the seeds' depths are already right): only the seeds' own partitions.
     """
-    L = cm.n_layers
-    large = cm.n_peers * cm.n_layers * min(cm.n_peers, L) > _DEPTH_SWEEP_BUDGET
-    if large:
-        floor = min(_value(cm, s) for s in seeds)
-        starts = [s.bounds for s in seeds if _value(cm, s) <= 1.5 * floor]
+    L, n = cm.n_layers, cm.n_peers
+    floor = min(_value(cm, s) for s in seeds)
+    seeds = [s for s in seeds if _value(cm, s) <= 1.5 * floor]
+    if n * L <= _SMALL_INSTANCE:
+        depths: Sequence[int] = range(1, min(n, L) + 1)
+        keep, rounds = 4, 4
+    elif n * L * min(n, L) <= _DEPTH_SWEEP_BUDGET:
+        depths = sorted({len(s.groups) + d for s in seeds for d in (-2, -1, 0, 1, 2)} | {1})
+        keep, rounds = 4, 3
     else:
-        starts = [s.bounds for s in seeds] + [_balanced_bounds(cm, k) for k in range(1, min(cm.n_peers, L) + 1)]
+        depths, keep, rounds = [], 1, 2
+    starts = [s.bounds for s in seeds] + [_balanced_bounds(cm, k) for k in depths if 1 <= k <= min(n, L)]
+    if depths:
         starts += [_mirror(b, L) for b in starts]
-        if (1 << (L - 1)) * cm.n_peers <= _PARTITION_ENUM_BUDGET:
-            starts += list(_all_partitions(L))
+    if (1 << (L - 1)) * n <= _PARTITION_ENUM_BUDGET:
+        starts += list(_all_partitions(L))
+    unique = [b for b in {tuple(b): list(b) for b in starts}.values() if len(b) - 1 <= n]
+    thorough = n * L <= _SMALL_INSTANCE
     scored = []
-    for bounds in {tuple(b): list(b) for b in starts}.values():
-        if len(bounds) - 1 > cm.n_peers:
-            continue
-        val, lay = _assign_value(cm, bounds)
+    for bounds in unique:
+        val, lay = _assign_value(cm, bounds, thorough)
         if lay is not None:
             scored.append((val, lay))
     scored.sort(key=lambda vl: vl[0])
-    return [_alternate(cm, lay, rounds=2 if large else 4) for _, lay in scored[: 1 if large else 4]]
+    best = []
+    for _, lay in scored[:keep]:
+        if not thorough:
+            val, refined = _assign_value(cm, lay.bounds)
+            if refined is not None and val < _value(cm, lay):
+                lay = refined
+        best.append(_alternate(cm, lay, rounds=rounds))
+    return best
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1015,7 +1035,7 @@ def plan(peers: Sequence[PeerSpec], model: ModelSpec, *, replicas: bool = True, 
     if replicas:
         candidates += [_polish(cm, lay, replicas) for lay in _descend_from_partitions(cm, candidates)]
     best = min(candidates, key=lambda lay: _value(cm, lay))
-    if cm.n_peers <= _LOCAL_SEARCH_MAX_PEERS and cm.n_layers <= _LOCAL_SEARCH_MAX_LAYERS:
+    if cm.n_peers * cm.n_layers <= _LOCAL_SEARCH_MAX_SIZE:
         used = {p for g in best.groups for p in g}
         best, _ = _local_search(cm, best, [p for p in range(cm.n_peers) if p not in used], replicas)
         if replicas:
