@@ -196,6 +196,21 @@ class CostModel:
         )
         return np.where(self.memory[idx, None] >= mem[None, :], t, np.inf)
 
+    def times_grid(self, idx: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Times of every block ``[a, b)``: shape ``(len(idx), len(starts), len(ends))``, ``inf``
+        where the block does not fit or is empty (``b <= a``)."""
+        a, b = np.asarray(starts)[:, None], np.asarray(ends)[None, :]
+        cost = self.cost_cum[b] - self.cost_cum[a]
+        mem = np.where(b > a, self.mem_cum[b] - self.mem_cum[a], np.inf)
+        recv = self.fwd[a] + self.bwd[b]
+        send = self.fwd[b] + self.bwd[a]
+        t = (
+            self.inv_speed[idx, None, None] * cost[None]
+            + self.inv_down[idx, None, None] * recv[None]
+            + self.inv_up[idx, None, None] * send[None]
+        )
+        return np.where(self.memory[idx, None, None] >= mem[None], t, np.inf)
+
     def block_times(self, idx: np.ndarray, a: int, b: int) -> np.ndarray:
         """Each listed peer's time for block ``[a, b)`` (``inf`` where it does not fit)."""
         return self.times_from(idx, a, b, b)[:, 0]

@@ -2,25 +2,35 @@
 
 The objective is the pipeline's steady-state throughput, i.e. the slowest stage's time per
 micro-batch (cost model in ``coordinator.cost_model``). Choosing blocks and peers together is
-NP-hard for arbitrary per-layer costs and heterogeneous peers, so the planner is built from
-pieces that are each exact for what they decide, and combined by bisection:
+NP-hard for arbitrary per-layer costs and heterogeneous peers, so the planner combines pieces
+that are each exact, or classic, for the part they decide:
 
-1. **Bisection on the bottleneck time T.** For a candidate T a feasibility check builds a plan in
-   which every stage is at most T, or reports that it cannot.
-2. **One peer per block** (``_solo_check``): a peer's *reach* from position x is the furthest block
-   end it can serve within T. Stages are built left to right, each taken by the unused peer that
-   reaches furthest, with the first and last stage (which skip one boundary's transfers) given to
-   the peers that gain most from those slots. For identical layers this is exact: a middle peer's
-   reach is a fixed layer count, so feasibility is "sum of the best capacities >= L".
-3. **Replicas** (``_run_check``): peers sorted by memory form runs; each run is one stage's replica
-   set, and each stage is made as long as the run's smallest memory and summed rates allow.
-   Merging replicas is never worse than splitting them into more stages (it saves a boundary
-   hop), so stages are as long as memory lets them be.
-4. **Polish.** Unused peers become replicas of the most loaded stage they fit (water-filling the
-   bottleneck); stage boundaries are then re-optimised exactly for the fixed replica sets by a
-   min-max dynamic programme; small instances also get a hill-climb over single-peer moves.
+1. **Bisection on the bottleneck time T**, with two feasibility checks that build a plan whose
+   every stage is within T:
 
-The best candidate wins. See docs/planner.md for the cost model, complexity and measurements.
+   * *one peer per block* (``_solo_check``): a peer's reach from position x is the furthest block
+     end it can serve within T; stages are filled left to right by the peer that reaches
+     furthest, the first and last slots (which skip one boundary's transfers) going to the peers
+     that gain most from them. For identical layers this is exact (see ``_solo_check``). With
+     replicas allowed, a stage no single peer can serve takes the fewest peers that can;
+   * *memory runs* (``_run_check``): peers sorted by memory form consecutive runs, one run per
+     stage, each stage as long as its run's smallest memory and summed rates allow. Merging
+     replicas never loses to splitting them into more stages (one boundary hop less), so stages
+     should be as long as memory lets them be.
+
+2. **Assignment and split descent** (replicas). For candidate partitions (the seeds', compute-
+   balanced ones per depth, their mirror images; every partition when there are few), peers are
+   assigned to blocks to maximise the slowest stage's rate (max-min greedy, and a covering
+   bisection that exploits comparative advantage, both repaired by single moves and swaps);
+   then boundaries are re-optimised exactly for those replica sets by a min-max DP, and the two
+   steps alternate while either improves.
+
+3. **Polish.** Spare peers become replicas of the most loaded stage they fit (water-filling the
+   bottleneck), boundaries are re-split; small instances also get a hill-climb over single-peer
+   moves and boundary moves.
+
+The best candidate wins. Work is budgeted by instance size so 10,000 peers plan in well under a
+second. See docs/planner.md for the cost model, complexity and measurements.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ _MEMORY_ONLY = 1e300
 _LOCAL_SEARCH_MAX_SIZE = 128
 _LOCAL_SEARCH_ROUNDS = 60
 # Budget (peer x block pairs) for the exact split re-optimisation before it narrows its window.
-_SPLIT_BUDGET = 100_000
+_SPLIT_BUDGET = 1_000_000
 # Every partition is scored when 2^(L-1) x peers stays under this (L <= 8 for a handful of peers).
 _PARTITION_ENUM_BUDGET = 2_048
 # The covering assignment costs about peers x stages^2 per check; above this only the greedy runs.
@@ -483,35 +493,30 @@ def _water_fill(cm: CostModel, lay: _Layout, spare: Sequence[int]) -> tuple[_Lay
 
 
 def _split_dp(cm: CostModel, groups: list[list[int]], allowed: list[list[int]]) -> tuple[list[int], float]:
-    """Boundaries minimising the slowest stage for fixed replica sets, boundary j from ``allowed[j]``."""
+    """Boundaries minimising the slowest stage for fixed replica sets, boundary j from ``allowed[j]``.
+
+    ``val[j][b]`` is the best bottleneck of stages ``0..j-1`` ending at ``b``; each stage is one
+    vectorised min-max over (start, end) pairs.
+    """
     k = len(groups)
-    best = {0: (0.0, -1)}
-    back: list[dict[int, tuple[float, int]]] = [best]
+    val = np.zeros(1)
+    back: list[np.ndarray] = []
     for j in range(k):
-        nxt: dict[int, tuple[float, int]] = {}
-        g = np.asarray(groups[j], dtype=np.int64)
-        ends = np.asarray(allowed[j + 1])
-        for a, (val, _) in back[-1].items():
-            if math.isinf(val):
-                continue
-            ok_ends = ends[ends > a]
-            if ok_ends.size == 0:
-                continue
-            t = cm.times_from(g, a, int(ok_ends[0]), int(ok_ends[-1]))[:, ok_ends - ok_ends[0]]
-            with np.errstate(divide="ignore"):
-                st = np.where(np.isfinite(t).all(axis=0), 1.0 / np.sum(1.0 / t, axis=0), np.inf)
-            for b, s in zip(ok_ends.tolist(), st.tolist(), strict=True):
-                v = max(val, s)
-                if b not in nxt or v < nxt[b][0]:
-                    nxt[b] = (v, a)
-        back.append(nxt)
-    L = cm.n_layers
-    if L not in back[-1]:
+        starts, ends = np.asarray(allowed[j]), np.asarray(allowed[j + 1])
+        t = cm.times_grid(np.asarray(groups[j], dtype=np.int64), starts, ends)
+        with np.errstate(divide="ignore"):
+            stage = np.where(np.isfinite(t).all(axis=0), 1.0 / np.sum(1.0 / t, axis=0), np.inf)
+        cand = np.maximum(val[:, None], stage)  # (starts, ends)
+        arg = np.argmin(cand, axis=0)
+        val = cand[arg, np.arange(ends.size)]
+        back.append(starts[arg])
+    if not np.isfinite(val[0]):
         return [], math.inf
-    bounds = [L]
-    for j in range(k, 0, -1):
-        bounds.append(back[j][bounds[-1]][1])
-    return bounds[::-1], back[-1][L][0]
+    bounds = [allowed[k][0]]
+    for j in range(k - 1, -1, -1):
+        b = bounds[-1]
+        bounds.append(int(back[j][allowed[j + 1].index(b)]))
+    return bounds[::-1], float(val[0])
 
 
 def _resplit(cm: CostModel, lay: _Layout, window: int | None = None) -> _Layout:
@@ -754,19 +759,18 @@ def _repair(
         order = np.argsort(total, kind="stable")
         low = int(order[0])
         second, third = total[order[1]], total[order[2]] if k > 2 else np.inf
-        donor = where
-        movable = (donor >= 0) & (donor != low) & (rate[:, low] > 0)
-        movable &= count[np.maximum(donor, 0)] >= 2
+        movable = (where >= 0) & (where != low) & (rate[:, low] > 0)
+        movable &= count[np.maximum(where, 0)] >= 2
         cand = np.flatnonzero(movable)
         best_gain, move = total[low], None
         if cand.size:
-            d = donor[cand]
+            d = where[cand]
             others = np.where(d == order[1], third, second)
             new_min = np.minimum(np.minimum(total[low] + rate[cand, low], total[d] - rate[cand, d]), others)
             i = int(np.argmax(new_min))
             if new_min[i] > best_gain * (1 + 1e-12):
                 best_gain, move = new_min[i], ("move", int(cand[i]))
-        unplaced = np.flatnonzero((donor < 0) & (rate[:, low] > 0))
+        unplaced = np.flatnonzero((where < 0) & (rate[:, low] > 0))
         if unplaced.size:
             i = int(unplaced[np.argmax(rate[unplaced, low])])
             if min(total[low] + rate[i, low], second) > best_gain * (1 + 1e-12):
@@ -994,8 +998,10 @@ def plan(peers: Sequence[PeerSpec], model: ModelSpec, *, replicas: bool = True, 
 
     ``replicas=False`` gives every block exactly one peer (spare peers stay unused); for identical
     layers and boundaries that plan is optimal. With replicas (the default) spare peers serve as
-    replicas and stages may hold several peers. Raises ``InfeasiblePlanError`` when there are no
-    peers or their memory cannot cover every layer.
+    replicas and stages may hold several peers; a peer is left unused only if it can hold no
+    block of the plan. ``rel_tol`` is the relative precision of the bisection on the bottleneck
+    time. Raises ``InfeasiblePlanError`` when there are no peers or their memory cannot cover
+    every layer.
     """
     cm = CostModel(peers, model)
     _check_inputs(cm)

@@ -122,6 +122,11 @@ def planned_or_inf(peers, model, replicas: bool) -> float:
     except InfeasiblePlanError:
         return math.inf
     check_plan(result, peers, model, one_per_block=not replicas)
+    if replicas:  # spare peers must be replicas wherever they fit
+        by_id = {p.peer_id: p for p in peers}
+        for pid in result.unused_peer_ids:
+            assert all(by_id[pid].free_memory < sum(model.layer_memory[s.layer_start : s.layer_end])
+                       for s in result.stages)
     return result.bottleneck_time
 
 
