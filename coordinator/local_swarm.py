@@ -37,7 +37,7 @@ def spawn_peer(name: str, join_args: list[str], log_dir: Path, threads: int, dev
     cmd = [sys.executable, "-m", "peer.cli", "join", *join_args, "--name", name,
            "--threads", str(threads), "--device", device]
     out = log_path.open("w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(threads, 1)),
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(threads, 1)), "THP_MEM_ALLOC_ENABLE": "1",
            DIE_WITH_PARENT_ENV: str(os.getpid())}
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                             start_new_session=True)
@@ -63,7 +63,7 @@ def stop_processes(peers: list[PeerProcess], grace: float = 15.0) -> None:
 
 
 async def run_local(settings: RunSettings, membership: Membership, *, threads: int, device: str,
-                    heartbeat: float) -> int:
+                    heartbeat: float, slow_peer: str = "") -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
     port = await run.start_server()
@@ -91,7 +91,8 @@ async def run_local(settings: RunSettings, membership: Membership, *, threads: i
     watcher = None
     try:
         for i in range(settings.peers):
-            peers.append(spawn_peer(f"peer-{i}", join_args, settings.run_dir / "logs", threads, device))
+            extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
+            peers.append(spawn_peer(f"peer-{i}", join_args + extra, settings.run_dir / "logs", threads, device))
         run.progress.message(f"started {len(peers)} peers; logs in {settings.run_dir / 'logs'}")
         watcher = asyncio.create_task(_watch(peers, run))
         code = await run.run()

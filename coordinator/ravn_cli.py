@@ -31,6 +31,7 @@ def local(
     threads: Annotated[int, typer.Option(min=0, help="Compute threads per peer (0: cores / peers).")] = 0,
     device: Annotated[str, typer.Option(help="'auto' (CUDA when present), 'cpu' or 'cuda'.")] = "auto",
     heartbeat: Annotated[float, typer.Option(min=0.2, help="Seconds between DHT announcements.")] = 2.0,
+    debug_slow_peer: Annotated[str, typer.Option(hidden=True, help="Testing: INDEX:SECONDS slows one peer.")] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
@@ -49,7 +50,8 @@ def local(
                                                heartbeat=heartbeat))
     membership.start()  # the same discovery path as a real swarm, on loopback
     try:
-        code = uvloop.run(run_local(settings, membership, threads=threads, device=device, heartbeat=heartbeat))
+        code = uvloop.run(run_local(settings, membership, threads=threads, device=device, heartbeat=heartbeat,
+                                   slow_peer=debug_slow_peer))
     finally:
         membership.shutdown()
     raise typer.Exit(code)

@@ -77,6 +77,7 @@ class SwarmRun:
         self._departures: list[str] = []
         self._step_tokens: list[int] = []
         self._train_t0 = 0.0
+        self._baseline: dict[str, cpb.StageStats] = {}
         self.run_id = settings.name
         self.sessions: dict[str, PeerSession] = {}
         self.artifacts = RunArtifacts(settings.run_dir)
@@ -321,6 +322,7 @@ class SwarmRun:
             first.commands.put_nowait(cpb.Command(start=cpb.Start(first_step=0, num_steps=s.train.steps)))
             self._started = True
             self._train_t0 = time.monotonic()
+            self._baseline = {x.peer_id: x.stats for x in self.sessions.values()}
             self.progress.start()
             await self._wait(self._finished, float("inf"), "training to finish")
         except KeyboardInterrupt:
@@ -371,6 +373,22 @@ class SwarmRun:
         )
         self.progress.message(f"checkpoint: {path}")
 
+    def _stage_summary(self, session: PeerSession) -> dict:
+        st, base = session.stats, self._baseline.get(session.peer_id, cpb.StageStats())
+        wall = st.wall_seconds - base.wall_seconds
+        return {
+            "peer": session.peer_id,
+            "stage": session.stage,
+            "weight_version": st.weight_version,
+            "staleness_counts": list(st.staleness_counts),
+            "dropped": st.dropped,
+            "bubble_fraction": (st.idle_seconds - base.idle_seconds) / wall if wall > 0 else None,
+            "compute_seconds": st.compute_seconds - base.compute_seconds,
+            "bytes_sent": st.bytes_sent,
+            "stash_bytes_peak": st.stash_bytes_peak,
+            "in_flight_peak": st.in_flight_peak,
+        }
+
     def _write_summary(self) -> None:
         tokens = sum(self._step_tokens)
         wire = sum(x.stats.bytes_sent for x in self.sessions.values())
@@ -387,6 +405,7 @@ class SwarmRun:
             "wire_backward": self.s.train.wire_backward,
             "final_val_loss": self.val_losses[-1][1] if self.val_losses else None,
         }
+        summary["stages"] = [self._stage_summary(x) for x in sorted(self.sessions.values(), key=lambda x: x.stage)]
         self.artifacts.log("summary", **summary)
         if tokens:
             self.progress.message(

@@ -77,6 +77,7 @@ def join(
     ] = 5.0,
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")] = 300.0,
     find_timeout: Annotated[float, typer.Option(help="Seconds to look for the swarm's coordinator in the DHT.")] = 60.0,
+    debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
 ) -> None:
     """Join a swarm: find it through the DHT, serve the block of layers its coordinator assigns."""
@@ -129,6 +130,7 @@ def join(
         device=device,
         threads=threads,
         step_timeout=step_timeout,
+        slowdown=debug_slowdown,
     )
     raise typer.Exit(uvloop.run(_serve(PeerDaemon(settings, discovery))))
 

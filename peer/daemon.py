@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from peer.compute import BACKWARD, FORWARD, OTHER, ComputeWorker
 from peer.discovery import Discovery, DiscoveryError
-from peer.driver import SyncDriver
+from peer.driver import Driver
 from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
 from swarm.codec_policy import WirePolicy
@@ -53,6 +53,7 @@ class PeerSettings:
     step_timeout: float = 300.0
     link_timeout: float = 30.0
     plan_timeout: float = 600.0
+    slowdown: float = 0.0  # testing: an artificially slow peer
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -70,7 +71,7 @@ class PeerDaemon:
         self.plan: Plan | None = None
         self.peer_id = settings.peer_id
         self.device = settings.resolved_device()
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.compute = ComputeWorker()
         self.runner: StageRunner | None = None
         self.assignment: cpb.Assignment | None = None
         self.policy = WirePolicy()
@@ -78,7 +79,7 @@ class PeerDaemon:
         self.downstream: Link | None = None
         self.downstream_ready = asyncio.Event()
         self.assigned = asyncio.Event()
-        self.driver: SyncDriver | None = None
+        self.driver: Driver | None = None
         self.endpoint = ""
         self.refused = 0
         self.stopping = asyncio.Event()
@@ -89,8 +90,8 @@ class PeerDaemon:
         self._pending_reports: list[cpb.StatusReport] = []
 
     # ---- compute thread -------------------------------------------------------------------------
-    async def run_compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+    async def run_compute(self, fn, *args, priority: int = OTHER):
+        return await self.compute.run(fn, *args, priority=priority)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start_server(self) -> str:
@@ -117,9 +118,13 @@ class PeerDaemon:
             record = await self._measure(plan)
             await disc.announce(record)
             self._tasks.append(asyncio.create_task(disc.heartbeat(), name="heartbeat"))
-            log.info("announced in swarm %r (%.1f layers/s, %.1f/%.1f MB/s up/down); waiting for a block",
-                     disc.s.swarm, record.throughput_layers_per_s, record.bandwidth_up_bytes_per_s / 1e6,
-                     record.bandwidth_down_bytes_per_s / 1e6)
+            log.info(
+                "announced in swarm %r (%.1f layers/s, %.1f/%.1f MB/s up/down); waiting for a block",
+                disc.s.swarm,
+                record.throughput_layers_per_s,
+                record.bandwidth_up_bytes_per_s / 1e6,
+                record.bandwidth_down_bytes_per_s / 1e6,
+            )
             self.plan = await self._unless_stopped(disc.wait_for_block(self.peer_id, self.settings.plan_timeout))
             return await self._session(multiaddr_to_grpc_target(self.plan.coordinator))
         except DiscoveryError as e:
@@ -145,10 +150,17 @@ class PeerDaemon:
         throughput = await self.run_compute(layer_throughput, cfg, self.device)
         up, down = await measure_bandwidth(multiaddr_to_grpc_target(plan.coordinator))
         return PeerRecord(
-            peer_id=self.peer_id, endpoint=self.endpoint, device=device_name(self.device),
-            free_memory_bytes=free_memory_bytes(self.device), throughput_layers_per_s=throughput,
-            bandwidth_up_bytes_per_s=up, bandwidth_down_bytes_per_s=down, state="joining",
-            software_version=SOFTWARE_VERSION, protocol_version=PROTOCOL_VERSION, timestamp=time.time(),
+            peer_id=self.peer_id,
+            endpoint=self.endpoint,
+            device=device_name(self.device),
+            free_memory_bytes=free_memory_bytes(self.device),
+            throughput_layers_per_s=throughput,
+            bandwidth_up_bytes_per_s=up,
+            bandwidth_down_bytes_per_s=down,
+            state="joining",
+            software_version=SOFTWARE_VERSION,
+            protocol_version=PROTOCOL_VERSION,
+            timestamp=time.time(),
         )
 
     async def _session(self, coordinator: str) -> int:
@@ -157,8 +169,12 @@ class PeerDaemon:
         self._control = cgrpc.ControlStub(self._channel)
         try:
             join = cpb.JoinRequest(
-                peer_id=self.peer_id, endpoint=self.endpoint, protocol_version=PROTOCOL_VERSION,
-                device=self.device, free_memory=free_memory_bytes(self.device), software_version=SOFTWARE_VERSION,
+                peer_id=self.peer_id,
+                endpoint=self.endpoint,
+                protocol_version=PROTOCOL_VERSION,
+                device=self.device,
+                free_memory=free_memory_bytes(self.device),
+                software_version=SOFTWARE_VERSION,
             )
             commands = self._control.Join(join)
             self._tasks.append(asyncio.create_task(self._report_loop(), name="report"))
@@ -207,7 +223,7 @@ class PeerDaemon:
             await self._server.stop(grace=1.0)
         if self._channel is not None:
             await self._channel.close()
-        self.compute.shutdown(wait=True, cancel_futures=True)
+        await asyncio.to_thread(self.compute.close)
 
     # ---- commands -------------------------------------------------------------------------------
     async def _on_assign(self, a: cpb.Assignment) -> None:
@@ -215,15 +231,19 @@ class PeerDaemon:
             check_assignment(a, self.plan, self.peer_id)
         model_cfg, train_cfg = assignment_configs(a)
         self.policy = WirePolicy(forward=train_cfg.wire_forward, backward=train_cfg.wire_backward)
-        self.runner = await self.run_compute(
-            StageRunner, model_cfg, train_cfg, a.layer_start, a.layer_end, self.device
-        )
+        self.runner = await self.run_compute(StageRunner, model_cfg, train_cfg, a.layer_start, a.layer_end, self.device)
         self.assignment = a
         self.assigned.set()
-        log.info("assigned stage %d/%d: layers [%d, %d) on %s",
-                 a.stage, a.num_stages, a.layer_start, a.layer_end, self.device)
+        log.info(
+            "assigned stage %d/%d: layers [%d, %d) on %s",
+            a.stage,
+            a.num_stages,
+            a.layer_start,
+            a.layer_end,
+            self.device,
+        )
         if self.runner.is_first:
-            self.driver = SyncDriver(self, train_cfg, model_cfg)
+            self.driver = Driver(self, train_cfg, model_cfg)
             await self.run_compute(self.driver.load_data)
         if a.downstream_endpoint:
             self._tasks.append(asyncio.create_task(self._dial_downstream(a), name="downstream"))
@@ -307,11 +327,13 @@ class PeerDaemon:
             raise WireError(f"unexpected packet kind {kind!r}")
 
     async def _on_activations(self, act: pb.Activations) -> None:
-        packet = await self.run_compute(self._forward_job, act)
+        packet = await self.run_compute(self._forward_job, act, priority=FORWARD)
         target = self.downstream if packet.WhichOneof("body") == "activations" else self.upstream
         await target.send(packet)
 
     def _forward_job(self, act: pb.Activations) -> pb.Packet:
+        if self.settings.slowdown:
+            time.sleep(self.settings.slowdown)
         runner = self.runner
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
@@ -327,15 +349,17 @@ class PeerDaemon:
         if self.driver is not None:
             await self.driver.on_gradients(g)
             return
-        packet = await self.run_compute(self._backward_job, g)
+        packet = await self.run_compute(self._backward_job, g, priority=BACKWARD)
         await self.upstream.send(packet)
 
     def _backward_job(self, g: pb.Gradients) -> pb.Packet:
         if g.mb.eval:
             return self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
-        grad = self.policy.decode(g.grad)
-        input_grad, _ = self.runner.backward(g.mb.id, grad)
-        return self.policy.gradients(g.mb, input_grad, g.loss_sum, g.tokens)
+        grad = None if g.dropped else self.policy.decode(g.grad)
+        result = self.runner.backward(g.mb.id, grad)
+        if result.dropped:
+            return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
+        return self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens)
 
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> cpb.StageStats:
@@ -349,6 +373,12 @@ class PeerDaemon:
             compute_seconds=r.metrics.compute_seconds if r else 0.0,
             weight_version=r.version if r else 0,
             refused=self.refused,
+            dropped=r.metrics.dropped if r else 0,
+            staleness_counts=r.metrics.staleness_counts() if r else [],
+            idle_seconds=self.compute.idle_seconds,
+            wall_seconds=time.monotonic() - self.compute.started,
+            stash_bytes_peak=r.metrics.stash_bytes_peak if r else 0,
+            in_flight_peak=r.metrics.in_flight_peak if r else 0,
         )
 
     async def report(self, **fields) -> None:
@@ -385,4 +415,3 @@ async def _until(stream, stop: asyncio.Task):
             yield nxt.result()
         except StopAsyncIteration:
             return
-

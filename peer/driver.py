@@ -1,8 +1,10 @@
-"""The data source on the first stage: admits micro-batches and closes each optimizer step.
+"""The data source on the first stage: admits micro-batches under the staleness bound, reports steps.
 
-Sync schedule (GPipe): all micro-batches of a step go forward, their gradients come back, every stage
-steps once, and only then does the next step begin. This is the exact reference every faster
-schedule is measured against. The loss of each micro-batch rides back on its gradient packet.
+One loop serves every schedule. Micro-batch ``i`` of the run belongs to step ``i // K``; it is admitted
+when ``swarm.schedule.Admission`` allows (in-flight and staleness bounds). With ``S = 0`` that is the
+synchronous GPipe schedule exactly; with ``S > 0`` the next steps' micro-batches stream in while the
+current step's gradients are still coming back. Validation drains the pipeline first, so it always sees
+one consistent set of weights. The loss of each micro-batch rides back on its gradient packet.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from peer.compute import BACKWARD, FORWARD
 from swarm.config import ModelConfig, TrainConfig
 from swarm.data import Corpus
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
+from swarm.schedule import Admission
 
 if TYPE_CHECKING:
     from peer.daemon import PeerDaemon
@@ -23,107 +27,170 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class SyncDriver:
+class Driver:
     def __init__(self, daemon: PeerDaemon, train: TrainConfig, model: ModelConfig) -> None:
         self.d, self.train, self.model = daemon, train, model
         self.corpus: Corpus | None = None
+        self.admission = Admission(train.micro_batches, train.staleness_bound, train.in_flight_limit)
         self._next_id = 1
-        self._step_loss = 0.0
-        self._step_tokens = 0
-        self._step_done: asyncio.Event = asyncio.Event()
+        self._changed = asyncio.Event()
         self._evals: dict[int, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
         self._stop = False
+        self._first_step = 0
+        self._step_loss = 0.0
+        self._step_tokens = 0
+        self._step_t0 = time.perf_counter()
+        self._reports: asyncio.Queue[cpb.StepResult] = asyncio.Queue()
+        self.dropped = 0
 
     def load_data(self) -> None:
         self.corpus = Corpus.load(self.train.data)
-        log.info("data %s: %d train / %d validation tokens (digest %s)",
-                 self.train.data, len(self.corpus.train), len(self.corpus.val), self.corpus.digest)
+        log.info(
+            "data %s: %d train / %d validation tokens (digest %s)",
+            self.train.data,
+            len(self.corpus.train),
+            len(self.corpus.val),
+            self.corpus.digest,
+        )
 
     def stop_after_step(self) -> None:
-        """Finish the step in progress, then report the run finished."""
+        """Admit nothing more; finish what is in flight, then report the run finished."""
         self._stop = True
+        self._changed.set()
 
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()
 
     def _mb(self, step: int, index: int, *, eval_: bool = False) -> pb.MicroBatch:
-        mb = pb.MicroBatch(id=self._next_id, step=step, index=index, eval=eval_,
-                           weight_version=self.d.runner.version)
+        mb = pb.MicroBatch(id=self._next_id, step=step, index=index, eval=eval_, weight_version=self.d.runner.version)
         self._next_id += 1
         return mb
 
     def _batch(self, split: str, step: int, index: int):
-        return self.corpus.batch(split=split, seed=self.train.data_seed, step=step, index=index,
-                                 batch_size=self.train.micro_batch_size, context=self.model.context)
+        return self.corpus.batch(
+            split=split,
+            seed=self.train.data_seed,
+            step=step,
+            index=index,
+            batch_size=self.train.micro_batch_size,
+            context=self.model.context,
+        )
+
+    def _eval_due(self, step: int) -> bool:
+        return bool(self.train.eval_every) and (step + 1) % self.train.eval_every == 0
+
+    async def _until(self, condition, what: str) -> None:
+        """Wait for ``condition()``, failing if nothing comes back for a whole step timeout."""
+        while not condition():
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.d.settings.step_timeout)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"nothing came back for {self.d.settings.step_timeout:.0f} s while waiting "
+                    f"for {what}; a stage is stuck or gone"
+                ) from None
 
     async def run(self, first_step: int, num_steps: int) -> None:
         self._task = asyncio.current_task()
-        d = self.d
+        self._first_step = first_step
+        adm, k = self.admission, self.train.micro_batches
+        reporter = asyncio.create_task(self._report_steps())
+        self._step_t0 = time.perf_counter()
         try:
-            for step in range(first_step, first_step + num_steps):
-                t0 = time.perf_counter()
-                self._step_loss, self._step_tokens = 0.0, 0
-                self._step_done = asyncio.Event()
-                for index in range(self.train.micro_batches):
-                    x, y = self._batch("train", step, index)
-                    await self._forward(self._mb(step, index), x, y)
-                await asyncio.wait_for(self._step_done.wait(), d.settings.step_timeout)
-                result = cpb.StepResult(step=step, loss=self._step_loss / max(self._step_tokens, 1),
-                                        tokens=self._step_tokens, seconds=time.perf_counter() - t0)
-                evals = []
-                last = step == first_step + num_steps - 1 or self._stop
-                if last or (self.train.eval_every and (step + 1) % self.train.eval_every == 0):
-                    evals.append(await self.evaluate(step))
-                await d.report(steps=[result], evals=evals, finished=last)
-                if last:
-                    return
-        except TimeoutError:
-            await d.fail(f"no gradients came back within {d.settings.step_timeout:.0f} s; a stage is stuck or gone")
+            total = num_steps * k
+            while adm.admitted < total and not self._stop:
+                step, index = first_step + adm.admitted // k, adm.admitted % k
+                if index == 0 and step > first_step and self._eval_due(step - 1):
+                    await self._until(lambda: adm.in_flight == 0, "the pipeline to drain before validation")
+                    await self._reports.put(await self.evaluate(step - 1))
+                await self._until(lambda: adm.can_admit() or self._stop, "room under the staleness bound")
+                if self._stop:
+                    break
+                adm.admit()
+                x, y = self._batch("train", step, index)
+                await self._forward(self._mb(step, index), x, y)
+            await self._until(lambda: adm.in_flight == 0, "the last gradients")
+            last = first_step + adm.processed // k - 1
+            await self._reports.put(await self.evaluate(last))
+            await self._reports.put(None)
+            await reporter
+        except TimeoutError as e:
+            await self.d.fail(str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - report, then let the coordinator decide
             log.exception("driver failed")
-            await d.fail(f"data source failed: {e}")
+            await self.d.fail(f"data source failed: {e}")
+        finally:
+            reporter.cancel()
+
+    async def _report_steps(self) -> None:
+        """Send step and eval results in order, off the gradient path."""
+        while True:
+            item = await self._reports.get()
+            if item is None:
+                await self.d.report(finished=True)
+                return
+            if isinstance(item, cpb.EvalResult):
+                await self.d.report(evals=[item])
+            else:
+                await self.d.report(steps=[item])
 
     async def _forward(self, mb: pb.MicroBatch, x, y) -> None:
         d = self.d
         runner = d.runner
         train = not mb.eval
-        result = await d.run_compute(lambda: runner.forward(mb.id, x, y if runner.is_last else None, train=train))
+        result = await d.run_compute(
+            lambda: runner.forward(mb.id, x, y if runner.is_last else None, train=train), priority=FORWARD
+        )
         if runner.is_last:  # a single-stage swarm: the loss is already here
-            await self._account(mb, result.loss_sum, result.tokens, stepped=result.stepped)
+            self._account(mb, result.loss_sum, result.tokens, dropped=False)
             return
-        packet = await d.run_compute(d.policy.activations, mb, result.output, y)
+        packet = await d.run_compute(d.policy.activations, mb, result.output, y, priority=FORWARD)
         await d.downstream.send(packet)
 
     async def on_gradients(self, g: pb.Gradients) -> None:
-        """A gradient (or an eval loss) came back from stage 1."""
+        """A gradient (or an eval loss, or a drop) came back from stage 1."""
         d = self.d
         if g.mb.eval:
-            fut = self._evals.pop(g.mb.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result((g.loss_sum, g.tokens))
+            self._account(g.mb, g.loss_sum, g.tokens, dropped=False)
             return
 
         def job():
-            grad = d.policy.decode(g.grad)
+            grad = None if g.dropped else d.policy.decode(g.grad)
             return d.runner.backward(g.mb.id, grad)
 
-        _, stepped = await d.run_compute(job)
-        await self._account(g.mb, g.loss_sum, g.tokens, stepped=stepped)
+        result = await d.run_compute(job, priority=BACKWARD)
+        self._account(g.mb, g.loss_sum, g.tokens, dropped=result.dropped)
 
-    async def _account(self, mb: pb.MicroBatch, loss_sum: float, tokens: int, *, stepped: bool) -> None:
+    def _account(self, mb: pb.MicroBatch, loss_sum: float, tokens: int, *, dropped: bool) -> None:
         if mb.eval:
             fut = self._evals.pop(mb.id, None)
             if fut is not None and not fut.done():
                 fut.set_result((loss_sum, tokens))
             return
-        self._step_loss += loss_sum
-        self._step_tokens += tokens
-        if stepped:
-            self._step_done.set()
+        self.admission.complete()
+        if dropped:
+            self.dropped += 1
+        else:
+            self._step_loss += loss_sum
+            self._step_tokens += tokens
+        if self.admission.processed % self.train.micro_batches == 0:
+            now = time.perf_counter()
+            step = self._first_step + self.admission.processed // self.train.micro_batches - 1
+            self._reports.put_nowait(
+                cpb.StepResult(
+                    step=step,
+                    loss=self._step_loss / max(self._step_tokens, 1),
+                    tokens=self._step_tokens,
+                    seconds=now - self._step_t0,
+                )
+            )
+            self._step_loss, self._step_tokens, self._step_t0 = 0.0, 0, now
+        self._changed.set()
 
     async def evaluate(self, step: int) -> cpb.EvalResult:
         """Mean validation loss over fixed batches, forward only through the whole pipeline."""

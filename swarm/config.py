@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROTOCOL_VERSION = 1
+SCHEDULES = ("sync", "async")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 8
     schedule: str = "sync"
+    max_staleness: int = 0
+    weight_stashing: bool = False
+    max_in_flight: int = 0
     wire_forward: str = "fp32"
     wire_backward: str = "fp32"
     extra: dict[str, str] = field(default_factory=dict)
@@ -60,8 +64,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.micro_batches <= 0 or self.micro_batch_size <= 0 or self.steps < 0:
             raise ValueError(f"steps, micro_batches and micro_batch_size must be positive: {self}")
-        if self.schedule != "sync":
-            raise ValueError(f"unknown schedule {self.schedule!r}; available: sync")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; available: {', '.join(SCHEDULES)}")
+        if self.max_staleness < 0 or self.max_in_flight < 0:
+            raise ValueError("max_staleness and max_in_flight must not be negative")
+        if self.schedule == "sync" and self.max_staleness:
+            raise ValueError("the sync schedule has no staleness: use --schedule async with --max-staleness")
+
+    @property
+    def staleness_bound(self) -> int:
+        """S: how many weight versions late a gradient may be applied (0 for sync)."""
+        return 0 if self.schedule == "sync" else self.max_staleness
+
+    @property
+    def in_flight_limit(self) -> int:
+        """Micro-batches admitted but not yet back; bounds every stage's activation memory."""
+        return self.max_in_flight or (self.staleness_bound + 1) * self.micro_batches
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up then constant: short runs must still learn, long ones must not diverge."""

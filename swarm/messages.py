@@ -41,6 +41,9 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         wire_backward=codec_to_pb(cfg.wire_backward),
         warmup_steps=cfg.warmup_steps,
         grad_clip=cfg.grad_clip,
+        max_staleness=cfg.max_staleness,
+        weight_stashing=cfg.weight_stashing,
+        max_in_flight=cfg.max_in_flight,
     )
 
 
@@ -60,6 +63,9 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
         schedule=t.schedule,
         wire_forward=codec_from_pb(t.wire_forward),
         wire_backward=codec_from_pb(t.wire_backward),
+        max_staleness=t.max_staleness,
+        weight_stashing=t.weight_stashing,
+        max_in_flight=t.max_in_flight,
     )
 
 

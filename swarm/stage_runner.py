@@ -22,19 +22,33 @@ class StageInputError(ValueError):
 
 @dataclass
 class ForwardResult:
-    output: torch.Tensor | None = None       # hidden states to send downstream (non-last stages)
-    input_grad: torch.Tensor | None = None   # last stage: gradient to send upstream right away
-    loss_sum: float = 0.0                    # last stage: summed token loss of this micro-batch
+    output: torch.Tensor | None = None  # hidden states to send downstream (non-last stages)
+    input_grad: torch.Tensor | None = None  # last stage: gradient to send upstream right away
+    loss_sum: float = 0.0  # last stage: summed token loss of this micro-batch
     tokens: int = 0
     stepped: bool = False
+
+
+@dataclass
+class BackwardResult:
+    input_grad: torch.Tensor | None = None  # to send upstream (None on the first stage or when dropped)
+    stepped: bool = False
+    dropped: bool = False
+    staleness: int = 0
 
 
 @dataclass
 class StageMetrics:
     forward: int = 0
     backward: int = 0
+    dropped: int = 0
     compute_seconds: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)
+    stash_bytes_peak: int = 0
+    in_flight_peak: int = 0
+
+    def staleness_counts(self) -> list[int]:
+        return [self.staleness.get(i, 0) for i in range(max(self.staleness, default=-1) + 1)]
 
 
 class StageRunner:
@@ -51,7 +65,8 @@ class StageRunner:
         )
         self.version = 0
         self.metrics = StageMetrics()
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
+        self._stash: dict[int, dict[str, torch.Tensor]] = {}
         self._backwards = 0
         self._tokens_per_step = train_cfg.micro_batches * train_cfg.micro_batch_size * model_cfg.context
 
@@ -121,6 +136,7 @@ class StageRunner:
             self.metrics.forward += 1
             if not self.is_last:
                 self._pending[mb_id] = (x_in, out, self.version)
+                self.metrics.in_flight_peak = max(self.metrics.in_flight_peak, len(self._pending))
                 return ForwardResult(output=out.detach())
             loss = self.model.loss_sum(out, targets.to(self.device).long())
             (loss / self._tokens_per_step).backward()
@@ -129,34 +145,82 @@ class StageRunner:
                 loss_sum=float(loss.detach()),
                 tokens=targets.numel(),
             )
-            result.stepped = self._after_backward(self.version)
+            result.stepped = self._after_backward(0)
             return result
         finally:
             self.metrics.compute_seconds += time.perf_counter() - t0
 
-    def backward(self, mb_id: int, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
-        """Back-propagate the gradient of this stage's output; returns (input gradient, stepped)."""
+    def backward(self, mb_id: int, grad_output: torch.Tensor | None) -> BackwardResult:
+        """Back-propagate the gradient of this stage's output, unless it is too stale to apply.
+
+        ``grad_output`` None means a later stage dropped this micro-batch: drop it here too.
+        A gradient whose forward ran on older weights is recomputed: with the weights that forward
+        saw when weight stashing is on (PipeDream), else with the current weights.
+        """
         if mb_id not in self._pending:
             raise StageInputError(f"gradient for micro-batch {mb_id}, which is not in flight on this stage")
         x_in, out, version = self._pending[mb_id]
-        if tuple(grad_output.shape) != tuple(out.shape):
-            raise StageInputError(f"gradient shape {list(grad_output.shape)} does not match output {list(out.shape)}")
-        if not grad_output.is_floating_point() or not bool(torch.isfinite(grad_output).all()):
-            raise StageInputError("gradient is not a finite floating-point tensor")
+        if grad_output is not None:
+            expected = self.model_output_shape(x_in)
+            if tuple(grad_output.shape) != expected:
+                raise StageInputError(
+                    f"gradient shape {list(grad_output.shape)} does not match output {list(expected)}"
+                )
+            if not grad_output.is_floating_point() or not bool(torch.isfinite(grad_output).all()):
+                raise StageInputError("gradient is not a finite floating-point tensor")
         del self._pending[mb_id]
+        staleness = self.version - version
+        if grad_output is None or staleness > self.train_cfg.staleness_bound:
+            self.metrics.dropped += 1
+            self._release_stash(version)
+            return BackwardResult(dropped=True, staleness=staleness)
         t0 = time.perf_counter()
-        out.backward(grad_output.to(device=self.device, dtype=out.dtype))
+        grad = grad_output.to(device=self.device, dtype=torch.float32)
+        if staleness == 0:
+            out.backward(grad)
+            input_grad = None if self.is_first else x_in.grad
+        else:
+            input_grad = self._recompute_backward(x_in, grad, version)
         self.metrics.backward += 1
-        stepped = self._after_backward(version)
+        stepped = self._after_backward(staleness)
         self.metrics.compute_seconds += time.perf_counter() - t0
-        return (None if self.is_first else x_in.grad), stepped
+        return BackwardResult(input_grad=input_grad, stepped=stepped, staleness=staleness)
+
+    def model_output_shape(self, x_in: torch.Tensor) -> tuple[int, ...]:
+        return (*x_in.shape[:2], self.model_cfg.d_model)
+
+    def _recompute_backward(self, x_in: torch.Tensor, grad: torch.Tensor, version: int) -> torch.Tensor | None:
+        x = x_in.detach() if self.is_first else x_in.detach().requires_grad_(True)
+        stashed = self._stash.get(version)
+        if stashed is None:
+            self.model(x).backward(grad)
+        else:
+            params = {k: v.requires_grad_(True) for k, v in stashed.items()}
+            out = torch.func.functional_call(self.model, params, (x,))
+            inputs = list(params.values()) + ([] if self.is_first else [x])
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+            current = dict(self.model.named_parameters())
+            for name, g in zip(params, grads, strict=False):  # grads follow params' order, then x
+                if g is not None:
+                    p = current[name]
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+            self._release_stash(version)
+            return None if self.is_first else grads[-1]
+        self._release_stash(version)
+        return None if self.is_first else x.grad
+
+    def _release_stash(self, version: int) -> None:
+        if version in self._stash and not any(v == version for _, _, v in self._pending.values()):
+            del self._stash[version]
 
     def drop(self, mb_id: int) -> bool:
         """Forget an in-flight micro-batch whose gradient will never come."""
-        return self._pending.pop(mb_id, None) is not None
+        entry = self._pending.pop(mb_id, None)
+        if entry is not None:
+            self._release_stash(entry[2])
+        return entry is not None
 
-    def _after_backward(self, forward_version: int) -> bool:
-        staleness = self.version - forward_version
+    def _after_backward(self, staleness: int) -> bool:
         self.metrics.staleness[staleness] = self.metrics.staleness.get(staleness, 0) + 1
         self._backwards += 1
         if self._backwards >= self.train_cfg.micro_batches:
@@ -170,6 +234,14 @@ class StageRunner:
             group["lr"] = self.train_cfg.lr_at(self.version)
         if self.train_cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        waiting = [mb for mb, (_, _, v) in self._pending.items() if v == self.version]
+        if waiting and self.train_cfg.weight_stashing:
+            self._stash[self.version] = {k: p.detach().clone() for k, p in self.model.named_parameters()}
+            held = sum(t.numel() * t.element_size() for st in self._stash.values() for t in st.values())
+            self.metrics.stash_bytes_peak = max(self.metrics.stash_bytes_peak, held)
+        for mb in waiting:  # their graphs die with this in-place update; keep only the inputs
+            x_in, _, v = self._pending[mb]
+            self._pending[mb] = (x_in, None, v)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1

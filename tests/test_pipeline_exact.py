@@ -6,6 +6,7 @@ a plain single-process training loop within 1e-5.
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from swarm.checkpoint import load_checkpoint
@@ -41,7 +42,12 @@ def reference_training(steps: int) -> tuple[list[float], dict[str, torch.Tensor]
     return losses, model.state_dict()
 
 
-def test_three_peer_pipeline_matches_unsplit_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "schedule",
+    [["--schedule", "sync"], ["--schedule", "async", "--max-staleness", "0", "--grad-clip", "0"]],
+    ids=["sync", "async-S0"],
+)
+def test_three_peer_pipeline_matches_unsplit_model(tmp_path: Path, schedule: list[str]) -> None:
     run_ravn_local(
         tmp_path,
         "exact",
@@ -61,6 +67,7 @@ def test_three_peer_pipeline_matches_unsplit_model(tmp_path: Path) -> None:
         "0",
         "--eval-batches",
         "1",
+        *schedule,
     )
     run_dir = tmp_path / "exact"
     swarm_losses = [m["loss"] for m in read_metrics(run_dir) if m["kind"] == "step"]

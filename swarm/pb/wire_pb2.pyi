@@ -88,16 +88,18 @@ class Activations(_message.Message):
     def __init__(self, mb: _Optional[_Union[MicroBatch, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Gradients(_message.Message):
-    __slots__ = ("mb", "grad", "loss_sum", "tokens")
+    __slots__ = ("mb", "grad", "loss_sum", "tokens", "dropped")
     MB_FIELD_NUMBER: _ClassVar[int]
     GRAD_FIELD_NUMBER: _ClassVar[int]
     LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     mb: MicroBatch
     grad: Tensor
     loss_sum: float
     tokens: int
-    def __init__(self, mb: _Optional[_Union[MicroBatch, _Mapping]] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
+    dropped: bool
+    def __init__(self, mb: _Optional[_Union[MicroBatch, _Mapping]] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., loss_sum: _Optional[float] = ..., tokens: _Optional[int] = ..., dropped: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("peer_id", "protocol_version", "stage", "run_id")

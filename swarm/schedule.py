@@ -1,0 +1,54 @@
+"""Admission under bounded staleness: when may the data source start the next micro-batch?
+
+Every stage steps its optimizer after each ``K`` micro-batches of gradient, so a stage's weight
+version is the number of gradients it has processed divided by K. In a chain that processes
+micro-batches in order, the first stage has the longest round trip, so its staleness bounds every
+other stage's: a micro-batch admitted as number ``i`` while the first stage has processed ``b``
+gradients will meet version ``floor(i / K)`` at its backward, having seen ``floor(b / K)`` at its
+forward. Admitting only while that gap is at most ``S`` bounds staleness by S everywhere; ``S = 0``
+is exactly the synchronous GPipe schedule (a step's K micro-batches, then the update, then the next).
+Stages still check on their own and drop any gradient that would break the bound (a slow or
+recovering peer), so the bound holds even when this prediction is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Admission:
+    """Pure bookkeeping of the data source: admitted and processed counts, no clocks, no I/O."""
+
+    micro_batches: int  # K: gradients per optimizer step
+    max_staleness: int  # S
+    max_in_flight: int  # memory bound on micro-batches out in the pipeline
+    admitted: int = 0
+    processed: int = 0  # gradients back at the first stage (applied or dropped)
+
+    def __post_init__(self) -> None:
+        if self.micro_batches <= 0 or self.max_staleness < 0 or self.max_in_flight <= 0:
+            raise ValueError(f"invalid admission parameters: {self}")
+
+    @property
+    def in_flight(self) -> int:
+        return self.admitted - self.processed
+
+    def staleness_if_admitted(self) -> int:
+        """Versions between this stage's forward and backward of the next micro-batch."""
+        return self.admitted // self.micro_batches - self.processed // self.micro_batches
+
+    def can_admit(self) -> bool:
+        return self.in_flight < self.max_in_flight and self.staleness_if_admitted() <= self.max_staleness
+
+    def admit(self) -> int:
+        """Record an admission and return its sequence number."""
+        if not self.can_admit():
+            raise RuntimeError("admission would break the staleness or in-flight bound")
+        self.admitted += 1
+        return self.admitted - 1
+
+    def complete(self) -> None:
+        if self.processed >= self.admitted:
+            raise RuntimeError("more gradients came back than micro-batches were admitted")
+        self.processed += 1

@@ -1,0 +1,82 @@
+"""The async schedule on real peer processes: staleness stays bounded, a slow peer throttles admissions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import read_metrics, run_ravn_local
+
+K = 2
+
+
+def summary(run_dir: Path) -> dict:
+    return next(m for m in read_metrics(run_dir) if m["kind"] == "summary")
+
+
+def test_staleness_never_exceeds_the_bound(tmp_path: Path) -> None:
+    run_ravn_local(
+        tmp_path,
+        "s2",
+        "--peers",
+        "3",
+        "--model",
+        "gpt-small",
+        "--steps",
+        "24",
+        "--schedule",
+        "async",
+        "--max-staleness",
+        "2",
+        "--micro-batches",
+        str(K),
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "2",
+    )
+    s = summary(tmp_path / "s2")
+    stages = s["stages"]
+    assert len(stages) == 3
+    for st in stages:
+        assert len(st["staleness_counts"]) <= 3, f"stage {st['stage']} applied a gradient with staleness > 2: {st}"
+        assert st["dropped"] == 0
+        assert st["in_flight_peak"] <= 3 * K
+    assert len(stages[0]["staleness_counts"]) > 1, "the first stage never overlapped steps: not asynchronous"
+    losses = [m["loss"] for m in read_metrics(tmp_path / "s2") if m["kind"] == "step"]
+    assert len(losses) == 24 and min(losses[-4:]) < losses[0] - 1.0
+
+
+def test_a_slow_peer_throttles_admissions(tmp_path: Path) -> None:
+    run_ravn_local(
+        tmp_path,
+        "slow",
+        "--peers",
+        "3",
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "12",
+        "--schedule",
+        "async",
+        "--max-staleness",
+        "1",
+        "--micro-batches",
+        str(K),
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--debug-slow-peer",
+        "1:0.1",
+    )
+    s = summary(tmp_path / "slow")
+    limit = (1 + 1) * K
+    for st in s["stages"]:
+        assert st["in_flight_peak"] <= limit, st
+        assert len(st["staleness_counts"]) <= 2 and st["dropped"] == 0
+    fast = s["stages"][0]
+    assert fast["bubble_fraction"] is not None and fast["bubble_fraction"] > 0.5, "the fast stage should wait"
