@@ -115,7 +115,7 @@ class Row:
     stages: int
     throughput: float  # micro-batches/s
     vs_bound: float
-    vs_naive: float | None  # replicated rows only: the naive plan replicates
+    vs_naive: float | None  # replicated rows with a feasible naive plan only (the naive plan replicates)
 
 
 def measure(n_peers: int, n_layers: int, replicas: bool, repeat: int, layer_gib: float) -> Row | None:
@@ -133,7 +133,7 @@ def measure(n_peers: int, n_layers: int, replicas: bool, repeat: int, layer_gib:
     return Row(
         n_peers, n_layers, "replicas" if replicas else "one per block", min(times), statistics.median(times),
         min(cpu), len(result.stages), result.throughput, result.bottleneck_time / bottleneck_bound(peers, model),
-        result.bottleneck_time / naive_time(peers, model) if replicas else None,
+        result.bottleneck_time / naive if replicas and math.isfinite(naive := naive_time(peers, model)) else None,
     )
 
 

@@ -166,9 +166,9 @@ def test_one_per_block_is_optimal_for_identical_layers(case):
 
 @FAST
 @given(swarms(max_peers=5, max_layers=6, uniform=False))
-def test_one_per_block_is_optimal_on_small_mixed_layers(case):
+def test_one_per_block_within_ten_percent_on_mixed_layers(case):
     # Not a theorem for arbitrary per-layer costs (the problem is NP-hard there), but on small
-    # swarms the slot search finds the optimum; docs/planner.md gives the measured gap.
+    # swarms the slot search almost always finds the optimum; docs/planner.md gives the measured gap.
     peers, model = case
     best = brute_one_per_block(peers, model)
     got = planned_or_inf(peers, model, replicas=False)
