@@ -35,6 +35,7 @@ second. See docs/planner.md for the cost model, complexity and measurements.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -406,6 +407,7 @@ def _memory_reach(cm: CostModel, p: int, x: int) -> int:
 
 def _memory_dp(cm: CostModel) -> _Layout | None:
     L, n = cm.n_layers, cm.n_peers
+    cum, mem = cm.mem_cum.tolist(), cm.memory.tolist()
     reach = {0: 0}  # subset bitmask -> furthest position covered
     back: dict[int, tuple[int, int]] = {}
     for mask in range(1 << n):  # supersets come later in numeric order
@@ -423,7 +425,7 @@ def _memory_dp(cm: CostModel) -> _Layout | None:
         for p in range(n):
             if mask >> p & 1:
                 continue
-            y = min(_memory_reach(cm, p, x), L)
+            y = min(bisect.bisect_right(cum, cum[x] + mem[p]) - 1, L)
             nxt = mask | 1 << p
             if y > x and y > reach.get(nxt, -1):
                 reach[nxt], back[nxt] = y, (mask, p)
