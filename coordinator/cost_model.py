@@ -157,8 +157,7 @@ class CostModel:
         self.bwd = np.concatenate(([0.0], model.backward_bytes, [0.0]))
         # Identical layers and boundaries make a peer's reach position-independent (see planner).
         self.uniform = all(
-            len(set(v)) <= 1
-            for v in (model.layer_cost, model.layer_memory, model.forward_bytes, model.backward_bytes)
+            len(set(v)) <= 1 for v in (model.layer_cost, model.layer_memory, model.forward_bytes, model.backward_bytes)
         )
 
     @property
