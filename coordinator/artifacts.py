@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from swarm.checkpoint import save_checkpoint
-from swarm.config import ModelConfig, TrainConfig
+from swarm.config import HFConfig, ModelConfig, TrainConfig
 
 
 class RunArtifacts:
@@ -28,6 +28,14 @@ class RunArtifacts:
 
     def write_checkpoint(self, state: dict[str, torch.Tensor], model: ModelConfig, meta: dict[str, str]) -> Path:
         return save_checkpoint(self.dir / "model.safetensors", state, model, meta)
+
+    def write_adapter(self, state: dict[str, torch.Tensor], hf: HFConfig) -> Path:
+        """Adapters only, in peft's format; reads the checkpoint's config.json, never its weights."""
+        from swarm.hf import adapter_settings
+        from swarm.hf.lora import save_peft_adapter
+
+        settings = adapter_settings(hf.path, rank=hf.lora_rank, alpha=hf.lora_alpha, targets=hf.lora_targets or None)
+        return save_peft_adapter(state, self.dir / "adapter", **settings)
 
     def plot_losses(self, train: list[tuple[int, float]], val: list[tuple[int, float]]) -> Path | None:
         if not train:
@@ -53,4 +61,3 @@ class RunArtifacts:
 
     def close(self) -> None:
         self._metrics.close()
-

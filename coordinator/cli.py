@@ -29,16 +29,21 @@ def _main() -> None:
 def serve(
     options: RunOptions,
     peers: Annotated[int, typer.Option(min=1, help="Number of peers to wait for before training starts.")] = 3,
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 to accept peers from the network).")
-                    ] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (0.0.0.0 to accept peers from the network).")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Control port (0: any free port).")] = 31337,
     dht_port: Annotated[int, typer.Option(min=0, max=65535, help="DHT port (0: any free port).")] = 31338,
     swarm: Annotated[str, typer.Option(help="Swarm name: peers join with the same --swarm.")] = "ravn",
-    announce: Annotated[str, typer.Option(help="Public address of this machine, when it differs from --host.")
-                        ] = "",
-    key_file: Annotated[Path | None, typer.Option(help="The coordinator's signing key (created if missing; "
-                                                  "default RUNS_DIR/SWARM.coordinator.pem). Keep it to restart "
-                                                  "without re-pinning peers.")] = None,
+    announce: Annotated[str, typer.Option(help="Public address of this machine, when it differs from --host.")] = "",
+    key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The coordinator's signing key (created if missing; "
+            "default RUNS_DIR/SWARM.coordinator.pem). Keep it to restart "
+            "without re-pinning peers."
+        ),
+    ] = None,
     heartbeat: Annotated[float, typer.Option(min=0.2, help="Seconds between membership checks.")] = 5.0,
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for all peers to join.")] = 600.0,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
@@ -46,16 +51,36 @@ def serve(
     """Wait for PEERS peers, split the model among them, train, and write the run's artefacts."""
     setup_logging(log_level)
     if host in ("0.0.0.0", "::") and not announce:
-        raise typer.BadParameter("listening on all interfaces: also pass --announce with the address peers "
-                                 "can reach", param_hint="--announce")
+        raise typer.BadParameter(
+            "listening on all interfaces: also pass --announce with the address peers can reach",
+            param_hint="--announce",
+        )
     name = options.run_name()
-    settings = RunSettings(name=name, run_dir=options.runs_dir / name, model=options.model_config(),
-                           train=options.train_config(), peers=peers, host=host, port=port, announce=announce,
-                           join_timeout=join_timeout, model_name=options.model, swarm=swarm)
+    settings = RunSettings(
+        name=name,
+        run_dir=options.runs_dir / name,
+        model=options.model_config(),
+        train=options.train_config(),
+        peers=peers,
+        host=host,
+        port=port,
+        announce=announce,
+        join_timeout=join_timeout,
+        model_name=options.model_name,
+        swarm=swarm,
+        hf=options.hf_config(),
+    )
     try:
-        membership = Membership(MembershipSettings(
-            swarm=swarm, key_file=key_file or options.runs_dir / f"{swarm}.coordinator.pem", host=host,
-            dht_port=dht_port, announce_host=announce, heartbeat=heartbeat))
+        membership = Membership(
+            MembershipSettings(
+                swarm=swarm,
+                key_file=key_file or options.runs_dir / f"{swarm}.coordinator.pem",
+                host=host,
+                dht_port=dht_port,
+                announce_host=announce,
+                heartbeat=heartbeat,
+            )
+        )
         membership.start()  # forks the DHT process: before any gRPC thread exists
     except (ValueError, OSError, P2PDaemonError) as e:
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
@@ -69,17 +94,20 @@ def serve(
 def join_command(run: SwarmRun, membership: Membership) -> str:
     peers = " ".join(f"--initial-peers {m}" for m in membership.maddrs())
     extra = " --host 0.0.0.0 --announce PEER-ADDRESS" if run.s.host in ("0.0.0.0", "::") else ""
-    return (f"ravn-peer join --swarm {membership.s.swarm} {peers} "
-            f"--coordinator-key {membership.public_key}{extra}")
+    return f"ravn-peer join --swarm {membership.s.swarm} {peers} --coordinator-key {membership.public_key}{extra}"
 
 
 async def _serve(settings: RunSettings, membership: Membership) -> int:
     run = SwarmRun(settings, membership)
     port = await run.start_server()
-    run.progress.message(f"coordinator of swarm {settings.swarm!r} on {settings.host}:{port} "
-                         f"(key {membership.fingerprint}); DHT at {' '.join(membership.maddrs())}")
+    run.progress.message(
+        f"coordinator of swarm {settings.swarm!r} on {settings.host}:{port} "
+        f"(key {membership.fingerprint}); DHT at {' '.join(membership.maddrs())}"
+    )
     run.progress.message(f"waiting for {settings.peers} peers; on each peer run:")
-    run.progress.message(f"  {join_command(run, membership)}", )
+    run.progress.message(
+        f"  {join_command(run, membership)}",
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, run.request_stop)

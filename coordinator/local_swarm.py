@@ -34,13 +34,30 @@ class PeerProcess:
 def spawn_peer(name: str, join_args: list[str], log_dir: Path, threads: int, device: str) -> PeerProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "peer.cli", "join", *join_args, "--name", name,
-           "--threads", str(threads), "--device", device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "peer.cli",
+        "join",
+        *join_args,
+        "--name",
+        name,
+        "--threads",
+        str(threads),
+        "--device",
+        device,
+    ]
     out = log_path.open("w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(threads, 1)), "THP_MEM_ALLOC_ENABLE": "1",
-           DIE_WITH_PARENT_ENV: str(os.getpid())}
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(max(threads, 1)),
+        "THP_MEM_ALLOC_ENABLE": "1",
+        DIE_WITH_PARENT_ENV: str(os.getpid()),
+    }
+    proc = subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
     out.close()
     return PeerProcess(name, proc, log_path)
 
@@ -62,15 +79,16 @@ def stop_processes(peers: list[PeerProcess], grace: float = 15.0) -> None:
             p.proc.wait()
 
 
-async def run_local(settings: RunSettings, membership: Membership, *, threads: int, device: str,
-                    heartbeat: float, slow_peer: str = "") -> int:
+async def run_local(
+    settings: RunSettings, membership: Membership, *, threads: int, device: str, heartbeat: float, slow_peer: str = ""
+) -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
     port = await run.start_server()
-    run.progress.message(f"coordinator on 127.0.0.1:{port}, swarm {settings.swarm!r}; "
-                         f"run {settings.name} in {settings.run_dir}")
-    join_args = ["--swarm", settings.swarm, "--coordinator-key", membership.public_key,
-                 "--heartbeat", str(heartbeat)]
+    run.progress.message(
+        f"coordinator on 127.0.0.1:{port}, swarm {settings.swarm!r}; run {settings.name} in {settings.run_dir}"
+    )
+    join_args = ["--swarm", settings.swarm, "--coordinator-key", membership.public_key, "--heartbeat", str(heartbeat)]
     for maddr in membership.maddrs():
         join_args += ["--initial-peers", maddr]
     loop = asyncio.get_running_loop()

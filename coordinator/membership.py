@@ -80,8 +80,12 @@ class Membership:
         good = []
         for r in records:
             if r.protocol_version != PROTOCOL_VERSION:
-                log.warning("ignoring peer %s: it speaks protocol version %d, this coordinator speaks %d",
-                            r.peer_id, r.protocol_version, PROTOCOL_VERSION)
+                log.warning(
+                    "ignoring peer %s: it speaks protocol version %d, this coordinator speaks %d",
+                    r.peer_id,
+                    r.protocol_version,
+                    PROTOCOL_VERSION,
+                )
                 continue
             good.append(r)
         return good
@@ -96,15 +100,27 @@ class Membership:
 
 
 def make_plan(
-    *, swarm: str, run_id: str, version: int, model_name: str, coordinator: str,
+    *,
+    swarm: str,
+    run_id: str,
+    version: int,
+    model_name: str,
+    coordinator: str,
     stages: list[tuple[int, int, list[tuple[str, str]]]],
 ) -> Plan:
     """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage."""
-    return Plan.model_validate({
-        "swarm": swarm, "run_id": run_id, "version": version, "model_name": model_name,
-        "coordinator": coordinator, "protocol_version": PROTOCOL_VERSION, "issued_at": time.time(),
-        "stages": [
-            {"layer_start": a, "layer_end": b, "peers": [{"peer_id": p, "endpoint": e} for p, e in peers]}
-            for a, b, peers in stages
-        ],
-    })
+    return Plan.model_validate(
+        {
+            "swarm": swarm,
+            "run_id": run_id,
+            "version": version,
+            "model_name": model_name,
+            "coordinator": coordinator,
+            "protocol_version": PROTOCOL_VERSION,
+            "issued_at": time.time(),
+            "stages": [
+                {"layer_start": a, "layer_end": b, "peers": [{"peer_id": p, "endpoint": e} for p, e in peers]}
+                for a, b, peers in stages
+            ],
+        }
+    )

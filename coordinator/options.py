@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from swarm.config import MODEL_PRESETS, SCHEDULES, ModelConfig, TrainConfig
+from swarm.config import MODEL_PRESETS, SCHEDULES, HFConfig, ModelConfig, TrainConfig
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
 
@@ -39,12 +39,58 @@ class RunOptions:
     weight_stashing: bool
     max_in_flight: int
     grad_clip: float | None
+    finetune: str
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: str
+    dtype: str
+    int8: bool
+    context: int
     name: str
     runs_dir: Path
 
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.model not in MODEL_PRESETS
+
     def model_config(self) -> ModelConfig:
+        if self.is_checkpoint:
+            from swarm.hf import hf_model_config
+
+            return ModelConfig(**{**hf_model_config(self.model, self.context or 512).__dict__, "seed": self.seed})
         cfg = MODEL_PRESETS[self.model]
-        return ModelConfig(**{**cfg.__dict__, "seed": self.seed})
+        return ModelConfig(**{**cfg.__dict__, "seed": self.seed, "context": self.context or cfg.context})
+
+    def hf_config(self) -> HFConfig | None:
+        """Set when ``--model`` is a Hugging Face checkpoint directory (LoRA over a frozen base)."""
+        if not self.is_checkpoint:
+            if self.finetune == "lora":
+                raise typer.BadParameter(
+                    "LoRA fine-tuning needs a Hugging Face checkpoint directory as --model", param_hint="--finetune"
+                )
+            return None
+        if self.finetune == "full":
+            raise typer.BadParameter(
+                "a Hugging Face checkpoint is fine-tuned with --finetune lora (full fine-tuning "
+                "of a frozen base is not supported)",
+                param_hint="--finetune",
+            )
+        from swarm.stage_factory import config_sha256
+
+        targets = tuple(t for t in self.lora_targets.replace(",", " ").split() if t)
+        return HFConfig(
+            path=str(Path(self.model).expanduser().resolve()),
+            dtype=self.dtype,
+            int8=self.int8,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            lora_targets=targets,
+            config_sha256=config_sha256(self.model),
+        )
+
+    @property
+    def model_name(self) -> str:
+        return f"hf:{Path(self.model).name}"[:128] if self.is_checkpoint else self.model
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -69,6 +115,17 @@ class RunOptions:
         return self.name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
 
 
+def _check_model(value: str) -> str:
+    if value in MODEL_PRESETS:
+        return value
+    if (Path(value).expanduser() / "config.json").is_file():
+        return value
+    raise typer.BadParameter(
+        f"{value!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a Hugging Face "
+        "checkpoint directory (with config.json)"
+    )
+
+
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
     if value not in choices:
         raise typer.BadParameter(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
@@ -85,8 +142,8 @@ def _train_params(
     model: Annotated[
         str,
         typer.Option(
-            help=f"Model preset: {', '.join(MODEL_PRESETS)}.",
-            callback=lambda v: _check_choice(v, tuple(MODEL_PRESETS), "model"),
+            help=f"Model preset ({', '.join(MODEL_PRESETS)}) or a local Hugging Face checkpoint directory.",
+            callback=_check_model,
         ),
     ] = "gpt-small",
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps to train.")] = 300,
@@ -141,6 +198,36 @@ def _train_params(
             "gradients can otherwise spike the loss). Per stage, so not identical to clipping the unsplit model.",
         ),
     ] = None,
+    finetune: Annotated[
+        str,
+        typer.Option(
+            help="'full' (built-in GPT) or 'lora' (adapters over a frozen Hugging Face checkpoint; "
+            "the default for checkpoints).",
+            callback=lambda v: _check_choice(v, ("", "full", "lora"), "finetune mode"),
+        ),
+    ] = "",
+    lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank.")] = 16,
+    lora_alpha: Annotated[float, typer.Option(min=0.0, help="LoRA alpha (scale = alpha / rank).")] = 32.0,
+    lora_targets: Annotated[
+        str,
+        typer.Option(help="Comma-separated module names for adapters (default: every attention and MLP projection)."),
+    ] = "",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Frozen base weights: bf16, fp16 or fp32.",
+            callback=lambda v: _check_choice(v, ("bf16", "fp16", "fp32"), "dtype"),
+        ),
+    ] = "bf16",
+    int8: Annotated[
+        bool,
+        typer.Option(
+            "--int8", help="Quantise the frozen base to int8 in memory (weight-only, dequantised per matmul)."
+        ),
+    ] = False,
+    context: Annotated[
+        int, typer.Option(min=0, help="Tokens per sequence (0: the preset's, or 512 for checkpoints).")
+    ] = 0,
     name: Annotated[
         str, typer.Option(help="Run name; artefacts go to RUNS_DIR/NAME (default: a timestamp).", callback=_check_name)
     ] = "",
@@ -163,6 +250,13 @@ def _train_params(
         weight_stashing,
         max_in_flight,
         grad_clip,
+        finetune or ("full" if model in MODEL_PRESETS else "lora"),
+        lora_rank,
+        lora_alpha,
+        lora_targets,
+        dtype,
+        int8,
+        context,
         name,
         runs_dir,
     )

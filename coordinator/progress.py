@@ -65,8 +65,10 @@ class Progress:
 
     def _line(self) -> str:
         val = f" | val {self.val:.3f}" if self.val is not None else ""
-        return (f"step {self.step + 1}/{self.total} | loss {self.loss:.3f}{val} | "
-                f"{self.tokens_per_s:,.0f} tok/s | wire {self.wire_mb_s:.1f} MB/s")
+        return (
+            f"step {self.step + 1}/{self.total} | loss {self.loss:.3f}{val} | "
+            f"{self.tokens_per_s:,.0f} tok/s | wire {self.wire_mb_s:.1f} MB/s"
+        )
 
     def _refresh(self, force: bool = False) -> None:
         if self._status is not None:

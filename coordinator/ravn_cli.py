@@ -38,20 +38,31 @@ def local(
     setup_logging(log_level)
     model = options.model_config()
     if peers > model.n_layers:
-        raise typer.BadParameter(f"{options.model} has {model.n_layers} layers; use at most that many peers",
-                                 param_hint="--peers")
+        raise typer.BadParameter(
+            f"{options.model} has {model.n_layers} layers; use at most that many peers", param_hint="--peers"
+        )
     name = options.run_name()
     swarm = "local-" + re.sub(r"[^a-z0-9_-]", "-", name.lower())[:26]
     run_dir = options.runs_dir / name
-    settings = RunSettings(name=name, run_dir=run_dir, model=model, train=options.train_config(),
-                           peers=peers, model_name=options.model, swarm=swarm)
+    settings = RunSettings(
+        name=name,
+        run_dir=run_dir,
+        model=model,
+        train=options.train_config(),
+        peers=peers,
+        model_name=options.model_name,
+        swarm=swarm,
+        hf=options.hf_config(),
+    )
     threads = threads or max(1, (os.cpu_count() or 1) // peers)
-    membership = Membership(MembershipSettings(swarm=swarm, key_file=run_dir / "coordinator.pem",
-                                               heartbeat=heartbeat))
+    membership = Membership(MembershipSettings(swarm=swarm, key_file=run_dir / "coordinator.pem", heartbeat=heartbeat))
     membership.start()  # the same discovery path as a real swarm, on loopback
     try:
-        code = uvloop.run(run_local(settings, membership, threads=threads, device=device, heartbeat=heartbeat,
-                                   slow_peer=debug_slow_peer))
+        code = uvloop.run(
+            run_local(
+                settings, membership, threads=threads, device=device, heartbeat=heartbeat, slow_peer=debug_slow_peer
+            )
+        )
     finally:
         membership.shutdown()
     raise typer.Exit(code)

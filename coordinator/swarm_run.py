@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -20,9 +20,9 @@ from coordinator.artifacts import RunArtifacts
 from coordinator.control_service import ControlService
 from coordinator.membership import Membership, make_plan
 from coordinator.progress import Progress
-from swarm.config import ModelConfig, TrainConfig
+from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
-from swarm.messages import model_to_pb, train_to_pb
+from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
 from swarm.model import even_split
 from swarm.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
@@ -64,6 +64,7 @@ class RunSettings:
     model_name: str = "custom"
     swarm: str = "ravn"
     announce: str = ""
+    hf: HFConfig | None = None
 
 
 class SwarmRun:
@@ -300,12 +301,17 @@ class SwarmRun:
             downstream_endpoint=down.endpoint if down else "",
             upstream_peer=up.peer_id if up else "",
             downstream_peer=down.peer_id if down else "",
+            hf=hf_to_pb(self.s.hf) if self.s.hf else None,
         )
 
     async def run(self) -> int:
         """Drive the run to its end; returns the process exit code."""
         s = self.s
-        self.artifacts.write_config(s.model, s.train, {"run_id": self.run_id, "peers": s.peers, "swarm": s.swarm})
+        self.artifacts.write_config(
+            s.model,
+            s.train,
+            {"run_id": self.run_id, "peers": s.peers, "swarm": s.swarm, "hf": asdict(s.hf) if s.hf else None},
+        )
         code = 0
         background = [asyncio.create_task(self._keep_plan_alive())]
         try:
@@ -368,6 +374,10 @@ class SwarmRun:
         merged: dict[str, torch.Tensor] = {}
         for stage in sorted(self.states):
             merged.update(self.states[stage])
+        if self.s.hf is not None:
+            path = self.artifacts.write_adapter(merged, self.s.hf)
+            self.progress.message(f"LoRA adapter (loads with peft on {self.s.hf.path}): {path}")
+            return
         path = self.artifacts.write_checkpoint(
             merged, self.s.model, {"run_id": self.run_id, "step": str(self._last_step + 1)}
         )

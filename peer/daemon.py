@@ -9,6 +9,7 @@ thread so the event loop keeps receiving and sending while a micro-batch is bein
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from peer.driver import Driver
 from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
 from swarm.codec_policy import WirePolicy
-from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION
+from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.measure import device_name, free_memory_bytes, layer_throughput
 from swarm.messages import AssignmentError, assignment_configs, check_assignment
@@ -31,6 +32,7 @@ from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.stage_factory import build_runner
 from swarm.stage_runner import StageInputError, StageRunner
 from swarm.transport import GRPC_OPTIONS, Link, LinkClosed, hello_packet, read_hello, refuse_client_stream
 from swarm.wire import WireError, split_packet
@@ -54,6 +56,7 @@ class PeerSettings:
     link_timeout: float = 30.0
     plan_timeout: float = 600.0
     slowdown: float = 0.0  # testing: an artificially slow peer
+    hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -69,6 +72,7 @@ class PeerDaemon:
         self.settings = settings
         self.discovery = discovery
         self.plan: Plan | None = None
+        self.hf: HFConfig | None = None
         self.peer_id = settings.peer_id
         self.device = settings.resolved_device()
         self.compute = ComputeWorker()
@@ -229,9 +233,17 @@ class PeerDaemon:
     async def _on_assign(self, a: cpb.Assignment) -> None:
         if self.plan is not None:
             check_assignment(a, self.plan, self.peer_id)
-        model_cfg, train_cfg = assignment_configs(a)
+        model_cfg, train_cfg, hf = assignment_configs(a)
+        if hf is not None and self.settings.hf_path:
+            hf = dataclasses.replace(hf, path=self.settings.hf_path)
+        self.hf = hf
         self.policy = WirePolicy(forward=train_cfg.wire_forward, backward=train_cfg.wire_backward)
-        self.runner = await self.run_compute(StageRunner, model_cfg, train_cfg, a.layer_start, a.layer_end, self.device)
+        try:
+            self.runner = await self.run_compute(
+                build_runner, model_cfg, train_cfg, a.layer_start, a.layer_end, self.device, hf
+            )
+        except (ValueError, OSError) as e:
+            raise AssignmentError(f"cannot build layers [{a.layer_start}, {a.layer_end}): {e}") from e
         self.assignment = a
         self.assigned.set()
         log.info(
@@ -243,7 +255,7 @@ class PeerDaemon:
             self.device,
         )
         if self.runner.is_first:
-            self.driver = Driver(self, train_cfg, model_cfg)
+            self.driver = Driver(self, train_cfg, model_cfg, hf)
             await self.run_compute(self.driver.load_data)
         if a.downstream_endpoint:
             self._tasks.append(asyncio.create_task(self._dial_downstream(a), name="downstream"))

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from peer.compute import BACKWARD, FORWARD
-from swarm.config import ModelConfig, TrainConfig
+from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.data import Corpus
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class Driver:
-    def __init__(self, daemon: PeerDaemon, train: TrainConfig, model: ModelConfig) -> None:
-        self.d, self.train, self.model = daemon, train, model
+    def __init__(self, daemon: PeerDaemon, train: TrainConfig, model: ModelConfig, hf: HFConfig | None = None) -> None:
+        self.d, self.train, self.model, self.hf = daemon, train, model, hf
         self.corpus: Corpus | None = None
         self.admission = Admission(train.micro_batches, train.staleness_bound, train.in_flight_limit)
         self._next_id = 1
@@ -45,6 +45,12 @@ class Driver:
         self.dropped = 0
 
     def load_data(self) -> None:
+        if self.hf is not None:  # the checkpoint's own tokenizer, from its local directory
+            from swarm.hf import TokenCorpus
+
+            self.corpus = TokenCorpus.load(self.train.data, self.hf.path)
+            log.info("data %s tokenised with %s", self.train.data, self.hf.path)
+            return
         self.corpus = Corpus.load(self.train.data)
         log.info(
             "data %s: %d train / %d validation tokens (digest %s)",

@@ -10,5 +10,5 @@ python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 # shellcheck disable=SC2086
 .venv/bin/python -m pip install --quiet ${TORCH_SPEC:-torch==2.13.0}
-.venv/bin/python -m pip install --quiet -e '.[dev]'
+.venv/bin/python -m pip install --quiet -e '.[dev,hf]'
 echo "Ravn installed in .venv; try: .venv/bin/ravn local --peers 3"

@@ -31,6 +31,25 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
 
+@dataclass(frozen=True)
+class HFConfig:
+    """A local Hugging Face checkpoint fine-tuned with LoRA over a frozen (optionally int8) base."""
+
+    path: str
+    dtype: str = "bf16"
+    int8: bool = False
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = ()
+    config_sha256: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose bf16, fp16 or fp32")
+        if self.lora_rank <= 0:
+            raise ValueError("LoRA fine-tuning needs --lora-rank of at least 1")
+
+
 MODEL_PRESETS: dict[str, ModelConfig] = {
     "gpt-tiny": ModelConfig(n_layers=3, d_model=64, n_heads=2, context=64),
     "gpt-small": ModelConfig(n_layers=6, d_model=128, n_heads=4, context=128),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarm.config import ModelConfig, TrainConfig
+from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import Plan
 from swarm.pb import control_pb2 as cpb
 from swarm.wire import codec_from_pb, codec_to_pb
@@ -69,9 +69,20 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
     )
 
 
-def assignment_configs(a: cpb.Assignment) -> tuple[ModelConfig, TrainConfig]:
-    """The model and recipe an assignment carries; raises ValueError for inconsistent values."""
-    return model_from_pb(a.model), train_from_pb(a.train)
+def hf_to_pb(cfg: HFConfig) -> cpb.HFConfig:
+    return cpb.HFConfig(path=cfg.path, dtype=cfg.dtype, int8=cfg.int8, lora_rank=cfg.lora_rank,
+                        lora_alpha=cfg.lora_alpha, lora_targets=list(cfg.lora_targets),
+                        config_sha256=cfg.config_sha256)
+
+
+def hf_from_pb(h: cpb.HFConfig) -> HFConfig:
+    return HFConfig(path=h.path, dtype=h.dtype, int8=h.int8, lora_rank=h.lora_rank, lora_alpha=h.lora_alpha,
+                    lora_targets=tuple(h.lora_targets), config_sha256=h.config_sha256)
+
+
+def assignment_configs(a: cpb.Assignment) -> tuple[ModelConfig, TrainConfig, HFConfig | None]:
+    """The model, recipe and (when fine-tuning) checkpoint an assignment carries."""
+    return model_from_pb(a.model), train_from_pb(a.train), hf_from_pb(a.hf) if a.HasField("hf") else None
 
 
 class AssignmentError(ValueError):

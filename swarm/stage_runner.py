@@ -15,6 +15,8 @@ import torch
 from swarm.config import ModelConfig, TrainConfig
 from swarm.model import StageModel
 
+IGNORE_INDEX = -100  # targets that carry no loss (e.g. prompt tokens when fine-tuning on completions)
+
 
 class StageInputError(ValueError):
     """A micro-batch that this stage cannot accept (wrong shape, unknown id, non-finite values)."""
@@ -55,20 +57,29 @@ class StageRunner:
     """Holds one block's parameters and optimizer state; steps every ``micro_batches`` backwards."""
 
     def __init__(
-        self, model_cfg: ModelConfig, train_cfg: TrainConfig, start: int, end: int, device: str = "cpu"
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        start: int,
+        end: int,
+        device: str = "cpu",
+        model: torch.nn.Module | None = None,
     ) -> None:
+        """``model``: a prebuilt block with StageModel's interface (e.g. a Hugging Face block with LoRA)."""
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
         self.device = torch.device(device)
-        self.model = StageModel(model_cfg, start, end).to(self.device)
+        self.model = (model if model is not None else StageModel(model_cfg, start, end)).to(self.device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError(f"block [{start}, {end}) has no trainable parameters")
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=train_cfg.lr, betas=(0.9, 0.95), weight_decay=train_cfg.weight_decay
+            self.trainable, lr=train_cfg.lr, betas=(0.9, 0.95), weight_decay=train_cfg.weight_decay
         )
         self.version = 0
         self.metrics = StageMetrics()
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
         self._stash: dict[int, dict[str, torch.Tensor]] = {}
         self._backwards = 0
-        self._tokens_per_step = train_cfg.micro_batches * train_cfg.micro_batch_size * model_cfg.context
 
     @property
     def is_first(self) -> bool:
@@ -107,8 +118,11 @@ class StageRunner:
                 raise StageInputError("the last stage needs targets with every micro-batch")
             if tuple(targets.shape) != tuple(x.shape[:2]):
                 raise StageInputError(f"targets shape {list(targets.shape)} does not match {list(x.shape[:2])}")
-            if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.model_cfg.vocab_size):
-                raise StageInputError(f"target ids outside [0, {self.model_cfg.vocab_size})")
+            bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= self.model_cfg.vocab_size)
+            if bool(bad.any()):
+                raise StageInputError(
+                    f"target ids outside [0, {self.model_cfg.vocab_size}) (or {IGNORE_INDEX}: ignored)"
+                )
 
     def forward(
         self, mb_id: int, x: torch.Tensor, targets: torch.Tensor | None = None, *, train: bool = True
@@ -129,7 +143,7 @@ class StageRunner:
                     out = self.model(x)
                     if self.is_last:
                         loss = self.model.loss_sum(out, targets.to(self.device).long())
-                        return ForwardResult(loss_sum=float(loss), tokens=targets.numel())
+                        return ForwardResult(loss_sum=float(loss), tokens=_count(targets))
                     return ForwardResult(output=out)
             x_in = x if self.is_first else x.detach().requires_grad_(True)
             out = self.model(x_in)
@@ -139,11 +153,13 @@ class StageRunner:
                 self.metrics.in_flight_peak = max(self.metrics.in_flight_peak, len(self._pending))
                 return ForwardResult(output=out.detach())
             loss = self.model.loss_sum(out, targets.to(self.device).long())
-            (loss / self._tokens_per_step).backward()
+            tokens = _count(targets)
+            # each micro-batch's mean token loss, averaged over the step's K micro-batches
+            (loss / max(tokens * self.train_cfg.micro_batches, 1)).backward()
             result = ForwardResult(
                 input_grad=None if self.is_first else x_in.grad,
                 loss_sum=float(loss.detach()),
-                tokens=targets.numel(),
+                tokens=tokens,
             )
             result.stepped = self._after_backward(0)
             return result
@@ -233,7 +249,7 @@ class StageRunner:
         for group in self.optimizer.param_groups:
             group["lr"] = self.train_cfg.lr_at(self.version)
         if self.train_cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.train_cfg.grad_clip)
         waiting = [mb for mb, (_, _, v) in self._pending.items() if v == self.version]
         if waiting and self.train_cfg.weight_stashing:
             self._stash[self.version] = {k: p.detach().clone() for k, p in self.model.named_parameters()}
@@ -248,4 +264,11 @@ class StageRunner:
         self._backwards = 0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this block: everything, or only the adapters of a frozen base."""
+        if hasattr(self.model, "trainable_state_dict"):
+            return self.model.trainable_state_dict()
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+
+def _count(targets: torch.Tensor) -> int:
+    return int((targets != IGNORE_INDEX).sum())

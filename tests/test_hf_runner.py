@@ -1,5 +1,4 @@
-"""HFStageModel drops into today's StageRunner unchanged (the runner's StageModel is swapped for it here,
-which is what the integration will do through a constructor argument)."""
+"""HFStageModel drops into StageRunner through its ``model`` argument."""
 
 from __future__ import annotations
 
@@ -26,20 +25,19 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def test_two_stage_runners_fine_tune_an_hf_checkpoint(tmp_path, monkeypatch):
+def test_two_stage_runners_fine_tune_an_hf_checkpoint(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     (tmp_path / "notes.txt").write_text(" ".join(SAMPLE_TEXT) * 20)
     corpus = TokenCorpus.load(tmp_path / "notes.txt", path)
     context = 32
     model_cfg = hf_model_config(path, context)
     train_cfg = TrainConfig(micro_batches=2, micro_batch_size=4, lr=1e-2, warmup_steps=0, weight_decay=0.0)
-    monkeypatch.setattr(
-        stage_runner,
-        "StageModel",
-        lambda cfg, start, end: HFStageModel(path, start, end, dtype=torch.float32, lora_rank=4),
-    )
-    first = stage_runner.StageRunner(model_cfg, train_cfg, 0, 2)
-    last = stage_runner.StageRunner(model_cfg, train_cfg, 2, 4)
+
+    def block(start: int, end: int) -> HFStageModel:
+        return HFStageModel(path, start, end, dtype=torch.float32, lora_rank=4)
+
+    first = stage_runner.StageRunner(model_cfg, train_cfg, 0, 2, model=block(0, 2))
+    last = stage_runner.StageRunner(model_cfg, train_cfg, 2, 4, model=block(2, 4))
     assert isinstance(first.model, HFStageModel) and last.is_last
 
     losses = []
@@ -50,7 +48,7 @@ def test_two_stage_runners_fine_tune_an_hf_checkpoint(tmp_path, monkeypatch):
             mb = step * 10 + i
             hidden = first.forward(mb, ids).output
             result = last.forward(mb, hidden, targets)
-            _, stepped = first.backward(mb, result.input_grad)
+            stepped = first.backward(mb, result.input_grad).stepped
             assert stepped == result.stepped == (i == train_cfg.micro_batches - 1)
             total, tokens = total + result.loss_sum, tokens + result.tokens
         losses.append(total / tokens)

@@ -59,6 +59,24 @@ class TrainConfig(_message.Message):
     max_in_flight: int
     def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., weight_stashing: _Optional[bool] = ..., max_in_flight: _Optional[int] = ...) -> None: ...
 
+class HFConfig(_message.Message):
+    __slots__ = ("path", "dtype", "int8", "lora_rank", "lora_alpha", "lora_targets", "config_sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INT8_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    LORA_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    dtype: str
+    int8: bool
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: _containers.RepeatedScalarFieldContainer[str]
+    config_sha256: str
+    def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., int8: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., lora_targets: _Optional[_Iterable[str]] = ..., config_sha256: _Optional[str] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
     __slots__ = ("peer_id", "endpoint", "protocol_version", "device", "free_memory", "software_version")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -76,7 +94,7 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., device: _Optional[str] = ..., free_memory: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +106,7 @@ class Assignment(_message.Message):
     DOWNSTREAM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
+    HF_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -99,7 +118,8 @@ class Assignment(_message.Message):
     downstream_endpoint: str
     upstream_peer: str
     downstream_peer: str
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ...) -> None: ...
+    hf: HFConfig
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ...) -> None: ...
 
 class Start(_message.Message):
     __slots__ = ("first_step", "num_steps")

@@ -1,0 +1,87 @@
+"""LoRA fine-tuning of a (tiny, locally built) Hugging Face checkpoint across real peer processes.
+
+The adapter the run writes must load back with peft on the full model and give the validation loss the
+swarm reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from swarm.hf import TokenCorpus  # noqa: E402
+from swarm.hf.tiny import make_tiny_checkpoint  # noqa: E402
+from tests.conftest import read_metrics, run_ravn_local  # noqa: E402
+
+CONTEXT, MBS, EVAL_BATCHES = 32, 4, 4
+
+
+def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
+    ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    data = tmp_path / "qa.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Q{i % 7}: after {i % 10}?", "completion": f" {i % 10 + 1}."}) + "\n"
+            for i in range(200)
+        )
+    )
+    run_ravn_local(
+        tmp_path,
+        "lora",
+        "--peers",
+        "2",
+        "--model",
+        str(ckpt),
+        "--finetune",
+        "lora",
+        "--lora-rank",
+        "8",
+        "--dtype",
+        "fp32",
+        "--data",
+        str(data),
+        "--context",
+        str(CONTEXT),
+        "--micro-batch-size",
+        str(MBS),
+        "--steps",
+        "25",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        str(EVAL_BATCHES),
+    )
+    run = tmp_path / "lora"
+    metrics = read_metrics(run)
+    losses = [m["loss"] for m in metrics if m["kind"] == "step"]
+    assert min(losses[-5:]) < losses[0] - 1.0, losses
+    assert not (run / "model.safetensors").exists(), "LoRA runs save adapters only"
+    reported = [m["loss"] for m in metrics if m["kind"] == "eval"][-1]
+
+    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, run / "adapter").eval()
+    corpus = TokenCorpus.load(data, ckpt)
+    total = tokens = 0.0
+    with torch.no_grad():
+        for i in range(EVAL_BATCHES):
+            x, y = corpus.batch(split="val", seed=0, step=0, index=i, batch_size=MBS, context=CONTEXT)
+            logits = model(input_ids=x).logits
+            total += float(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum"
+                )
+            )
+            tokens += int((y != -100).sum())
+    assert abs(total / tokens - reported) < 1e-3, (total / tokens, reported)
