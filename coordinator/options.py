@@ -162,14 +162,14 @@ def _train_params(
             help=f"Codec for activations: {', '.join(WIRE_CODECS)}.",
             callback=lambda v: _check_choice(v, WIRE_CODECS, "codec"),
         ),
-    ] = "fp32",
+    ] = "int4_rot",
     wire_backward: Annotated[
         str,
         typer.Option(
             help=f"Codec for gradients: {', '.join(WIRE_CODECS)}.",
             callback=lambda v: _check_choice(v, WIRE_CODECS, "codec"),
         ),
-    ] = "fp32",
+    ] = "int8",
     schedule: Annotated[
         str,
         typer.Option(

@@ -62,6 +62,10 @@ def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
         "0",
         "--eval-batches",
         str(EVAL_BATCHES),
+        "--wire-forward",
+        "fp32",
+        "--wire-backward",
+        "fp32",
     )
     run = tmp_path / "lora"
     metrics = read_metrics(run)

@@ -25,7 +25,20 @@ def validation_loss(model: torch.nn.Module, batches: int, batch_size: int, conte
 
 def test_local_swarm_trains_and_checkpoint_reloads(tmp_path: Path) -> None:
     proc = run_ravn_local(
-        tmp_path, "short", "--peers", "3", "--steps", "60", "--eval-every", "30", "--eval-batches", "4"
+        tmp_path,
+        "short",
+        "--peers",
+        "3",
+        "--steps",
+        "60",
+        "--eval-every",
+        "30",
+        "--eval-batches",
+        "4",
+        "--wire-forward",
+        "fp32",
+        "--wire-backward",
+        "fp32",
     )
     run_dir = tmp_path / "short"
     assert "checkpoint:" in proc.stdout and "loss curve:" in proc.stdout
@@ -44,8 +57,21 @@ def test_local_swarm_trains_and_checkpoint_reloads(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    proc = Proc(ravn_cmd("local", "--runs-dir", str(tmp_path), "--name", "interrupted", "--peers", "3",
-                         "--steps", "100000", "--eval-every", "0"))
+    proc = Proc(
+        ravn_cmd(
+            "local",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "interrupted",
+            "--peers",
+            "3",
+            "--steps",
+            "100000",
+            "--eval-every",
+            "0",
+        )
+    )
     try:
         proc.wait_for(r"^step \d+/", 180)
         tree = proc.tree()

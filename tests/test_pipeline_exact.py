@@ -67,6 +67,10 @@ def test_three_peer_pipeline_matches_unsplit_model(tmp_path: Path, schedule: lis
         "0",
         "--eval-batches",
         "1",
+        "--wire-forward",
+        "fp32",
+        "--wire-backward",
+        "fp32",
         *schedule,
     )
     run_dir = tmp_path / "exact"
