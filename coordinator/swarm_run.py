@@ -18,12 +18,14 @@ import torch
 
 from coordinator.artifacts import RunArtifacts
 from coordinator.control_service import ControlService
+from coordinator.cost_model import InfeasiblePlanError
 from coordinator.membership import Membership, make_plan
+from coordinator.plan_inputs import model_spec, peer_specs
+from coordinator.planner import plan as plan_partition
 from coordinator.progress import Progress
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
-from swarm.model import even_split
 from swarm.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
@@ -75,6 +77,7 @@ class SwarmRun:
         self.plan_version = 0
         self.planned: dict[str, tuple[int, int, str]] = {}  # peer id -> (layer_start, layer_end, endpoint)
         self.uncovered: list[str] = []
+        self.predicted_throughput = 0.0
         self._departures: list[str] = []
         self._step_tokens: list[int] = []
         self._train_t0 = 0.0
@@ -197,9 +200,20 @@ class SwarmRun:
 
     # ---- membership and the plan ----------------------------------------------------------------
     def _plan_for(self, records: list[PeerRecord]) -> Plan:
-        bounds = even_split(self.s.model.n_layers, len(records))
-        self.planned = {r.peer_id: (a, b, r.endpoint) for r, (a, b) in zip(records, bounds, strict=True)}
-        return self._publishable([(a, b, [(r.peer_id, r.endpoint)]) for r, (a, b) in zip(records, bounds, strict=True)])
+        """Contiguous blocks sized by each peer's measured throughput, memory and link (one peer per block)."""
+        try:
+            partition = plan_partition(
+                peer_specs(records), model_spec(self.s.model, self.s.train, self.s.hf), replicas=False
+            )
+        except InfeasiblePlanError as e:
+            raise RunFailed(f"no plan fits these peers: {e}") from None
+        endpoints = {r.peer_id: r.endpoint for r in records}
+        stages = [(st.layer_start, st.layer_end, [(p, endpoints[p]) for p in st.peer_ids]) for st in partition.stages]
+        self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
+        self.predicted_throughput = partition.throughput
+        if partition.unused_peer_ids:
+            self.progress.message(f"standby (not needed by the plan): {', '.join(partition.unused_peer_ids)}")
+        return self._publishable(stages)
 
     def _publishable(self, stages: list[tuple[int, int, list[tuple[str, str]]]]) -> Plan:
         self.plan_version += 1
