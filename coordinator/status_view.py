@@ -331,11 +331,14 @@ def blocks_from_peers(
     planned: Iterable[Block],
     *,
     live_states: frozenset[str] = frozenset({"joining", "online", "ready", "training"}),
+    replicas: Mapping[Block, int] | None = None,
 ) -> tuple[BlockStatus, ...]:
     """One row per planned block: live replicas, and the bottleneck (the busiest block: least idle).
 
-    In a pipeline every stage sees the same tokens, so throughput is set by the stage that is never
-    idle; its bubble fraction is the smallest. Without bubble data there is no bottleneck flag.
+    Replicas are the peers in ``live_states`` holding the block, unless the producer knows better and
+    passes ``replicas`` (the coordinator counts planned peers whose DHT record is alive, including those
+    still dialling in). In a pipeline every stage sees the same tokens, so throughput is set by the stage
+    that is never idle; its bubble fraction is the smallest. Without bubble data there is no bottleneck.
     """
     peers = list(peers)
     rows, idle = [], {}
@@ -344,7 +347,8 @@ def blocks_from_peers(
         bubbles = [p.bubble_fraction for p in holders if p.bubble_fraction is not None]
         if bubbles:
             idle[layers] = sum(bubbles) / len(bubbles)
-        rows.append(BlockStatus(layers=layers, replicas=len(holders)))
+        count = len(holders) if replicas is None else replicas.get(layers, 0)
+        rows.append(BlockStatus(layers=layers, replicas=count))
     busiest = min(idle, key=idle.get) if len(idle) > 1 else None
     return tuple(replace(b, bottleneck=b.layers == busiest) for b in rows)
 

@@ -121,6 +121,8 @@ def test_blocks_mark_the_busiest_stage_as_bottleneck() -> None:
     assert [b.bottleneck for b in s.blocks] == [False, True, False]
     lost = blocks_from_peers([peer("a", (0, 2), state="leaving"), peer("b", (2, 4))], [(0, 2), (2, 4)])
     assert [(b.replicas, b.covered, b.bottleneck) for b in lost] == [(0, False, False), (1, True, False)]
+    told = blocks_from_peers([], [(0, 2), (2, 4)], replicas={(0, 2): 2})
+    assert [(b.layers, b.replicas) for b in told] == [((0, 2), 2), ((2, 4), 0)]
 
 
 def test_peer_status_from_two_reports() -> None:
