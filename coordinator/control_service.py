@@ -16,7 +16,7 @@ from swarm.config import PROTOCOL_VERSION
 from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.wire import Reassembler, WireError, tensor_from_pb
+from swarm.wire import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
 
 if TYPE_CHECKING:
     from coordinator.swarm_run import SwarmRun
@@ -76,10 +76,32 @@ class ControlService(cgrpc.ControlServicer):
             if not self.run.known(chunk.peer_id):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {chunk.peer_id!r} has not joined this run")
             tensors = {t.name: tensor_from_pb(t.tensor, max_elements=1 << 31) for t in chunk.tensors}
+            optim = {t.name: tensor_from_pb(t.tensor, max_elements=1 << 31) for t in chunk.optimizer}
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.run.on_state(chunk.peer_id, chunk.stage, tensors)
+        if chunk.periodic:
+            try:
+                await asyncio.to_thread(self.run.on_checkpoint, chunk, tensors, optim)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        else:
+            self.run.on_state(chunk.peer_id, chunk.stage, tensors)
         return cpb.UploadReply(tensors=len(tensors))
+
+    async def FetchState(self, request: cpb.FetchStateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if not self.run.known(request.peer_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {request.peer_id!r} has not joined this run")
+        try:
+            weights, optim = await asyncio.to_thread(self.run.store.fetch, request.version, list(request.names))
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        chunk = cpb.StateChunk(peer_id=request.peer_id, version=request.version)
+        for name, t in weights.items():
+            chunk.tensors.add(name=name, tensor=tensor_to_pb(t, "fp32" if t.is_floating_point() else "raw"))
+        for name, t in optim.items():
+            chunk.optimizer.add(name=name, tensor=tensor_to_pb(t, "fp32"))
+        for frame in split_packet(chunk, 1):
+            yield frame
 
     async def Probe(self, request: cpb.ProbeRequest, context: grpc.aio.ServicerContext) -> cpb.ProbeReply:  # noqa: N802
         if request.reply_bytes > MAX_PROBE_BYTES:

@@ -125,12 +125,13 @@ async def run_local(
 
 
 async def _watch(peers: list[PeerProcess], run: SwarmRun) -> None:
-    """A peer process that dies is a failed run, with the place to look."""
+    """A peer process that dies is reported once, with the place to look."""
+    reported: set[str] = set()
     while True:
         for p in peers:
             rc = p.proc.poll()
-            if rc is not None and rc != 0:
-                tail = p.log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                run.fail(f"{p.name} exited with code {rc}; see {p.log_path}: " + " | ".join(tail))
-                return
+            if rc is not None and rc != 0 and p.name not in reported:
+                reported.add(p.name)
+                tail = p.log_path.read_text(errors="replace").strip().splitlines()[-1:]
+                run.peer_failed(p.name, f"{p.name} exited with code {rc}; see {p.log_path}: " + " | ".join(tail))
         await asyncio.sleep(0.5)

@@ -39,6 +39,7 @@ class RunOptions:
     weight_stashing: bool
     max_in_flight: int
     grad_clip: float | None
+    checkpoint_every: int
     finetune: str
     lora_rank: int
     lora_alpha: float
@@ -109,6 +110,7 @@ class RunOptions:
             weight_stashing=self.weight_stashing,
             max_in_flight=self.max_in_flight,
             grad_clip=self.grad_clip if self.grad_clip is not None else (1.0 if self.schedule == "async" else 0.0),
+            checkpoint_every=self.checkpoint_every,
         )
 
     def run_name(self) -> str:
@@ -198,6 +200,14 @@ def _train_params(
             "gradients can otherwise spike the loss). Per stage, so not identical to clipping the unsplit model.",
         ),
     ] = None,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Every C steps each stage sends its weights and optimizer state to the coordinator, "
+            "so a lost peer costs at most C steps (0: no checkpoints, no recovery).",
+        ),
+    ] = 25,
     finetune: Annotated[
         str,
         typer.Option(
@@ -250,6 +260,7 @@ def _train_params(
         weight_stashing,
         max_in_flight,
         grad_clip,
+        checkpoint_every,
         finetune or ("full" if model in MODEL_PRESETS else "lora"),
         lora_rank,
         lora_alpha,

@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from coordinator.artifacts import RunArtifacts
+from coordinator.checkpoint_store import CheckpointStore
 from coordinator.control_service import ControlService
 from coordinator.cost_model import InfeasiblePlanError
 from coordinator.membership import Membership, make_plan
@@ -79,6 +80,10 @@ class SwarmRun:
         self.uncovered: list[str] = []
         self.predicted_throughput = 0.0
         self._departures: list[str] = []
+        self._lost: set[str] = set()
+        self._departed: set[str] = set()
+        self._recovering = False
+        self.store = CheckpointStore(settings.run_dir / "checkpoints", settings.model.n_layers)
         self._step_tokens: list[int] = []
         self._train_t0 = 0.0
         self._baseline: dict[str, cpb.StageStats] = {}
@@ -127,14 +132,24 @@ class SwarmRun:
         return peer_id in self.sessions
 
     def lost(self, peer_id: str, why: str) -> None:
-        """A control stream broke; whether the peer is gone is for its DHT record to tell."""
+        """A control stream broke: the peer process is gone (its DHT record will expire too)."""
         if not self._states_in.is_set():
             log.warning("peer %s: %s", peer_id, why)
+            self._lost.add(peer_id)
+
+    def peer_failed(self, peer_id: str, reason: str) -> None:
+        """A peer process died (seen by its launcher); ignored if recovery already dealt with it."""
+        if peer_id in self.sessions:
+            self._lost.add(peer_id)
+            self.fail(reason)
 
     def fail(self, reason: str) -> None:
+        if self._recovering:
+            log.info("during recovery: %s", reason)
+            return
         if self._failure is None and not self._stop_requested.is_set():
             self._failure = reason
-            log.error("run failed: %s", reason)
+            log.warning("problem: %s", reason)
         self._failed.set()
 
     def on_report(self, r: cpb.StatusReport) -> None:
@@ -143,7 +158,7 @@ class SwarmRun:
         session.stats = r.stats
         if r.ready:
             session.ready = True
-            if all(s.ready for s in self.sessions.values()) and len(self.sessions) == self.s.peers:
+            if all(x.ready for x in self.sessions.values()) and set(self.sessions) >= set(self.planned):
                 self._ready.set()
         for st in r.steps:
             self.train_losses.append((st.step, st.loss))
@@ -277,6 +292,7 @@ class SwarmRun:
                     continue
                 why = "left gracefully" if record is not None else "stopped heartbeating (its record expired)"
                 del self.planned[peer_id]
+                self._departed.add(peer_id)
                 self.uncovered.append(f"layers [{a},{b})")
                 self.artifacts.log("membership", peer=peer_id, event="left" if record else "expired", layers=[a, b])
                 self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
@@ -290,12 +306,80 @@ class SwarmRun:
                         for st in self.plan.stages
                     ]
                     await self._publish(self._publishable(stages))
-                reason = (
-                    f"layers [{a},{b}) are uncovered: peer {peer_id} {why} (automatic rebalancing is not available yet)"
-                )
+                reason = f"layers [{a},{b}) are uncovered: peer {peer_id} {why}"
+                if not self.s.train.checkpoint_every:
+                    reason += " (no checkpoints to recover from: --checkpoint-every 0)"
                 self._departures.append(reason)
                 if not self._finished.is_set():
                     self.fail(reason)
+
+    def on_checkpoint(
+        self, chunk: cpb.StateChunk, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]
+    ) -> None:
+        """A stage's periodic state (runs on a worker thread): file it; note when a version completes."""
+        self.store.save(chunk.version, chunk.layer_start, chunk.layer_end, weights, optim)
+        if self.store.is_complete(chunk.version):
+            self.store.write_index()
+            self.artifacts.log("checkpoint", version=chunk.version)
+
+    async def _await_departures(self) -> set[str]:
+        """Who is gone: broken control streams at once, expired or withdrawn DHT records within 3 heartbeats."""
+        deadline = time.monotonic() + self.membership.ttl + 2 * self.membership.s.heartbeat
+        while time.monotonic() < deadline:
+            gone = (self._lost | self._departed) & set(self.sessions)
+            if gone:
+                return gone
+            await asyncio.sleep(0.1)
+        return set()
+
+    async def _recover(self, reason: str) -> int:
+        """Re-plan the surviving peers and restart them from the latest complete checkpoint."""
+        t0 = time.monotonic()
+        self._recovering = True
+        self.progress.message(f"recovering: {reason}")
+        try:
+            gone = await self._await_departures()  # empty: every peer is alive, a link broke: restart them all
+            for peer_id in gone:
+                session = self.sessions.pop(peer_id)
+                session.commands.put_nowait(None)
+                self.planned.pop(peer_id, None)
+            alive = {r.peer_id: r for r in await self.membership.peers() if r.state != "leaving"}
+            survivors = [alive[p] for p in sorted(self.sessions) if p in alive]
+            if not survivors:
+                raise RunFailed(f"{reason}; no peer is left to continue")
+            version = self.store.latest_complete() or 0
+            await self._publish(self._plan_for(survivors))
+            self._lost -= gone
+            self._departed -= gone
+            self.uncovered.clear()
+            self._departures.clear()
+            self._ready.clear()
+            self._finished.clear()
+            for peer_id, session in self.sessions.items():
+                session.ready = False
+                assignment = self._assignment(peer_id)
+                assignment.restore_version = version
+                session.stage = assignment.stage
+                session.commands.put_nowait(cpb.Command(assign=assignment))
+            lost_steps = max(0, self._last_step + 1 - version)
+            self.progress.message(
+                f"recovered without {', '.join(sorted(gone)) or 'losing a peer'}: plan "
+                + ", ".join(f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items())
+                + f"; resuming from step {version} ({lost_steps} steps redone) in {time.monotonic() - t0:.1f} s"
+            )
+            self.artifacts.log(
+                "recovery",
+                gone=sorted(gone),
+                from_step=version,
+                lost_steps=lost_steps,
+                seconds=time.monotonic() - t0,
+                reason=reason,
+            )
+            return version
+        finally:
+            self._failure = None
+            self._failed.clear()
+            self._recovering = False
 
     def _assignment(self, peer_id: str) -> cpb.Assignment:
         stages = self.plan.stages
@@ -337,14 +421,24 @@ class SwarmRun:
                 self.artifacts.log("assign", peer=peer_id, layers=[a, b])
             background.append(asyncio.create_task(self._watch_membership()))
             await self._wait(self._joined, s.join_timeout, "the planned peers to dial in")
-            await self._wait(self._ready, s.ready_timeout, "every peer to load its block")
-            first = next(x for x in self.sessions.values() if x.stage == 0)
-            first.commands.put_nowait(cpb.Command(start=cpb.Start(first_step=0, num_steps=s.train.steps)))
-            self._started = True
+            first_step = 0
             self._train_t0 = time.monotonic()
-            self._baseline = {x.peer_id: x.stats for x in self.sessions.values()}
-            self.progress.start()
-            await self._wait(self._finished, float("inf"), "training to finish")
+            while True:
+                try:
+                    await self._wait(self._ready, s.ready_timeout, "every peer to load its block")
+                    first = next(x for x in self.sessions.values() if x.stage == 0)
+                    start = cpb.Start(first_step=first_step, num_steps=s.train.steps - first_step)
+                    first.commands.put_nowait(cpb.Command(start=start))
+                    if not self._started:
+                        self._started = True
+                        self._baseline = {x.peer_id: x.stats for x in self.sessions.values()}
+                        self.progress.start()
+                    await self._wait(self._finished, float("inf"), "training to finish")
+                    break
+                except RunFailed as e:
+                    if not (self._started and s.train.checkpoint_every):
+                        raise
+                    first_step = await self._recover(str(e))
         except KeyboardInterrupt:
             self.progress.message("interrupted: finishing the current step, then stopping the swarm")
             code = 130

@@ -35,7 +35,7 @@ from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.stage_factory import build_runner
 from swarm.stage_runner import StageInputError, StageRunner
 from swarm.transport import GRPC_OPTIONS, Link, LinkClosed, hello_packet, read_hello, refuse_client_stream
-from swarm.wire import WireError, split_packet
+from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
 
 log = logging.getLogger(__name__)
 SOFTWARE_VERSION = "0.1.0"
@@ -72,6 +72,8 @@ class PeerDaemon:
         self.settings = settings
         self.discovery = discovery
         self.plan: Plan | None = None
+        self.generation = 0
+        self._dial_task: asyncio.Task | None = None
         self.hf: HFConfig | None = None
         self.peer_id = settings.peer_id
         self.device = settings.resolved_device()
@@ -95,7 +97,12 @@ class PeerDaemon:
 
     # ---- compute thread -------------------------------------------------------------------------
     async def run_compute(self, fn, *args, priority: int = OTHER):
-        return await self.compute.run(fn, *args, priority=priority)
+        result = await self.compute.run(fn, *args, priority=priority)
+        runner = self.runner
+        if runner is not None and runner.pending_checkpoint is not None:
+            snapshot, runner.pending_checkpoint = runner.pending_checkpoint, None
+            self._tasks.append(asyncio.create_task(self._upload_checkpoint(*snapshot), name="checkpoint"))
+        return result
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start_server(self) -> str:
@@ -231,8 +238,9 @@ class PeerDaemon:
 
     # ---- commands -------------------------------------------------------------------------------
     async def _on_assign(self, a: cpb.Assignment) -> None:
-        if self.plan is not None:
-            check_assignment(a, self.plan, self.peer_id)
+        if self.assignment is not None:
+            await self._reset_stage()
+        await self._check_against_plan(a)
         model_cfg, train_cfg, hf = assignment_configs(a)
         if hf is not None and self.settings.hf_path:
             hf = dataclasses.replace(hf, path=self.settings.hf_path)
@@ -244,6 +252,8 @@ class PeerDaemon:
             )
         except (ValueError, OSError) as e:
             raise AssignmentError(f"cannot build layers [{a.layer_start}, {a.layer_end}): {e}") from e
+        if a.restore_version:
+            await self._restore(a.restore_version)
         self.assignment = a
         self.assigned.set()
         log.info(
@@ -258,13 +268,96 @@ class PeerDaemon:
             self.driver = Driver(self, train_cfg, model_cfg, hf)
             await self.run_compute(self.driver.load_data)
         if a.downstream_endpoint:
-            self._tasks.append(asyncio.create_task(self._dial_downstream(a), name="downstream"))
+            self._dial_task = asyncio.create_task(self._dial_downstream(a, self.generation), name="downstream")
+            self._tasks.append(self._dial_task)
             await asyncio.wait_for(self.downstream_ready.wait(), self.settings.link_timeout)
         await self.report(ready=True)
         if self.discovery is not None and self.discovery.record is not None:
             block = {"layer_start": a.layer_start, "layer_end": a.layer_end}
             online = {**self.discovery.record.to_dht_value(), "state": "online", "block": block}
             await self.discovery.announce(PeerRecord.model_validate(online))
+
+    async def _check_against_plan(self, a: cpb.Assignment, timeout: float = 15.0) -> None:
+        """The assignment must match the signed plan; a new plan may take a moment to reach our DHT node."""
+        if self.plan is None:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                check_assignment(a, self.plan, self.peer_id)
+                return
+            except AssignmentError:
+                if self.discovery is None or time.monotonic() > deadline:
+                    raise
+            newer = await self.discovery.fetch()
+            if newer is not None:
+                self.plan = newer
+            else:
+                await asyncio.sleep(0.2)
+
+    async def _reset_stage(self) -> None:
+        """Drop the current block, links and data source: a new assignment replaces them."""
+        self.generation += 1
+        if self.driver is not None:
+            self.driver.cancel()
+            self.driver = None
+        if self._dial_task is not None:
+            self._dial_task.cancel()
+            self._dial_task = None
+        for link in (self.upstream, self.downstream):
+            if link is not None:
+                link.close()
+        self.upstream = self.downstream = None
+        self.downstream_ready = asyncio.Event()
+        self.assigned.clear()
+        self.assignment = None
+        self.runner = None
+
+    async def _restore(self, version: int) -> None:
+        """Load this block's weights and optimizer state at ``version`` from the coordinator's store."""
+        request = cpb.FetchStateRequest(peer_id=self.peer_id, version=version, names=self.runner.parameter_names())
+        reasm = Reassembler(message_type=cpb.StateChunk)
+        chunk = None
+        async for frame in self._control.FetchState(request, timeout=120):
+            chunk = reasm.push(frame) or chunk
+        if chunk is None:
+            raise AssignmentError(f"the coordinator sent no state for version {version}")
+        weights = {t.name: self.policy.decode(t.tensor) for t in chunk.tensors}
+        optim = {t.name: self.policy.decode(t.tensor) for t in chunk.optimizer}
+        await self.run_compute(self.runner.restore, version, weights, optim)
+        log.info("restored %d tensors at weight version %d", len(weights), version)
+
+    async def _upload_checkpoint(self, version: int, weights: dict, optim: dict) -> None:
+        a, generation = self.assignment, self.generation
+        if a is None or self._control is None:
+            return
+
+        def build() -> cpb.StateChunk:
+            chunk = cpb.StateChunk(
+                peer_id=self.peer_id,
+                stage=a.stage,
+                version=version,
+                layer_start=a.layer_start,
+                layer_end=a.layer_end,
+                periodic=True,
+            )
+            for name, t in weights.items():
+                chunk.tensors.add(name=name, tensor=tensor_to_pb(t.float(), "fp32"))
+            for name, t in optim.items():
+                chunk.optimizer.add(name=name, tensor=tensor_to_pb(t.float(), "fp32"))
+            return chunk
+
+        chunk = await asyncio.to_thread(build)
+
+        async def frames():
+            for frame in split_packet(chunk, version):
+                yield frame
+
+        try:
+            await self._control.UploadState(frames(), timeout=300)
+        except grpc.aio.AioRpcError as e:
+            if generation == self.generation:
+                log.warning("checkpoint v%d upload failed: %s", version, e.details())
 
     def _start_driver(self, start: cpb.Start) -> None:
         if self.driver is None:
@@ -293,7 +386,7 @@ class PeerDaemon:
         a = self.assignment
         return hello_packet(self.peer_id, a.stage if a else 0, a.run_id if a else "", PROTOCOL_VERSION)
 
-    async def _dial_downstream(self, a: cpb.Assignment) -> None:
+    async def _dial_downstream(self, a: cpb.Assignment, generation: int) -> None:
         target = multiaddr_to_grpc_target(a.downstream_endpoint)
         channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
         link = Link(f"{self.peer_id}->{a.downstream_peer}")
@@ -307,18 +400,21 @@ class PeerDaemon:
             self.downstream = link
             self.downstream_ready.set()
             await link.run(call, self.on_packet)
-            if not self.stopping.is_set():
-                await self.fail(f"downstream peer {a.downstream_peer} closed the link")
+            await self._link_failed(generation, f"downstream peer {a.downstream_peer} closed the link")
         except (WireError, StageInputError) as e:
             self.refused += 1
             await refuse_client_stream(call, link, str(e))
-            await self.fail(f"refused a packet from downstream {a.downstream_peer}: {e}")
+            await self._link_failed(generation, f"refused a packet from downstream {a.downstream_peer}: {e}")
         except (TimeoutError, grpc.aio.AioRpcError, LinkClosed) as e:
-            if not self.stopping.is_set():
-                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                await self.fail(f"link to downstream {a.downstream_peer} at {target} failed: {detail}")
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            await self._link_failed(generation, f"link to downstream {a.downstream_peer} at {target} failed: {detail}")
         finally:
             await channel.close()
+
+    async def _link_failed(self, generation: int, reason: str) -> None:
+        """Report a broken link, unless it belonged to an assignment that was already replaced."""
+        if generation == self.generation and not self.stopping.is_set():
+            await self.fail(reason)
 
     async def on_packet(self, link: Link, packet: pb.Packet) -> None:
         """Route one packet from a neighbour; raises WireError/StageInputError for bad input."""
@@ -339,14 +435,15 @@ class PeerDaemon:
             raise WireError(f"unexpected packet kind {kind!r}")
 
     async def _on_activations(self, act: pb.Activations) -> None:
-        packet = await self.run_compute(self._forward_job, act, priority=FORWARD)
-        target = self.downstream if packet.WhichOneof("body") == "activations" else self.upstream
-        await target.send(packet)
+        target_down, target_up, generation = self.downstream, self.upstream, self.generation
+        packet = await self.run_compute(self._forward_job, act, self.runner, priority=FORWARD)
+        if generation != self.generation:  # re-assigned meanwhile: this micro-batch belongs to the old plan
+            return
+        await (target_down if packet.WhichOneof("body") == "activations" else target_up).send(packet)
 
-    def _forward_job(self, act: pb.Activations) -> pb.Packet:
+    def _forward_job(self, act: pb.Activations, runner: StageRunner) -> pb.Packet:
         if self.settings.slowdown:
             time.sleep(self.settings.slowdown)
-        runner = self.runner
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
         result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
@@ -361,14 +458,16 @@ class PeerDaemon:
         if self.driver is not None:
             await self.driver.on_gradients(g)
             return
-        packet = await self.run_compute(self._backward_job, g, priority=BACKWARD)
-        await self.upstream.send(packet)
+        target, generation = self.upstream, self.generation
+        packet = await self.run_compute(self._backward_job, g, self.runner, priority=BACKWARD)
+        if generation == self.generation and target is not None:
+            await target.send(packet)
 
-    def _backward_job(self, g: pb.Gradients) -> pb.Packet:
+    def _backward_job(self, g: pb.Gradients, runner: StageRunner) -> pb.Packet:
         if g.mb.eval:
             return self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
         grad = None if g.dropped else self.policy.decode(g.grad)
-        result = self.runner.backward(g.mb.id, grad)
+        result = runner.backward(g.mb.id, grad)
         if result.dropped:
             return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
         return self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens)

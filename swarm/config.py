@@ -76,6 +76,7 @@ class TrainConfig:
     max_staleness: int = 0
     weight_stashing: bool = False
     max_in_flight: int = 0
+    checkpoint_every: int = 0
     wire_forward: str = "fp32"
     wire_backward: str = "fp32"
     extra: dict[str, str] = field(default_factory=dict)

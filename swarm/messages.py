@@ -44,6 +44,7 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         max_staleness=cfg.max_staleness,
         weight_stashing=cfg.weight_stashing,
         max_in_flight=cfg.max_in_flight,
+        checkpoint_every=cfg.checkpoint_every,
     )
 
 
@@ -66,6 +67,7 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
         max_staleness=t.max_staleness,
         weight_stashing=t.weight_stashing,
         max_in_flight=t.max_in_flight,
+        checkpoint_every=t.checkpoint_every,
     )
 
 

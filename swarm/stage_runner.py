@@ -79,6 +79,7 @@ class StageRunner:
         self.metrics = StageMetrics()
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
         self._stash: dict[int, dict[str, torch.Tensor]] = {}
+        self.pending_checkpoint: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._backwards = 0
 
     @property
@@ -262,12 +263,52 @@ class StageRunner:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self._backwards = 0
+        every = self.train_cfg.checkpoint_every
+        if every and self.version % every == 0:  # taken here, so no later step can slip in before it
+            self.pending_checkpoint = (self.version, *self.checkpoint_state())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of this block: everything, or only the adapters of a frozen base."""
         if hasattr(self.model, "trainable_state_dict"):
             return self.model.trainable_state_dict()
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copies of the trainable weights and their AdamW state, under global names."""
+        weights = {k: v.clone() for k, v in self.state_dict().items()}
+        optim: dict[str, torch.Tensor] = {}
+        if not hasattr(self.model, "trainable_state_dict"):  # adapters restart their moments (documented)
+            for name, p in self.model.named_parameters():
+                state = self.optimizer.state.get(p)
+                if state:
+                    optim[f"{name}::exp_avg"] = state["exp_avg"].detach().cpu().clone()
+                    optim[f"{name}::exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().clone()
+                    optim[f"{name}::step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().clone()
+        return weights, optim
+
+    def parameter_names(self) -> list[str]:
+        return list(self.state_dict())
+
+    def restore(self, version: int, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
+        """Continue from a checkpoint: weights, optimizer moments and the weight version."""
+        if hasattr(self.model, "load_trainable_state_dict"):
+            self.model.load_trainable_state_dict(weights)
+        else:
+            missing = set(self.model.state_dict()) - set(weights)
+            if missing:
+                raise ValueError(f"checkpoint v{version} lacks {sorted(missing)[:3]}")
+            self.model.load_state_dict({k: weights[k] for k in self.model.state_dict()})
+            for name, p in self.model.named_parameters():
+                if f"{name}::exp_avg" in optim:
+                    self.optimizer.state[p] = {
+                        "step": optim[f"{name}::step"].clone(),
+                        "exp_avg": optim[f"{name}::exp_avg"].to(p.device).clone(),
+                        "exp_avg_sq": optim[f"{name}::exp_avg_sq"].to(p.device).clone(),
+                    }
+        self.version = version
+        self._pending.clear()
+        self._stash.clear()
+        self._backwards = 0
 
 
 def _count(targets: torch.Tensor) -> int:

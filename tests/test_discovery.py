@@ -32,6 +32,8 @@ def test_four_separate_peers_train_and_a_crash_uncovers_its_block(tmp_path: Path
         "2",
         "--eval-every",
         "0",
+        "--checkpoint-every",
+        "0",
         "--name",
         "four",
     )
@@ -85,6 +87,8 @@ def test_graceful_leave_is_visible_at_once(tmp_path: Path) -> None:
         "gpt-tiny",
         "--eval-every",
         "0",
+        "--checkpoint-every",
+        "0",
         "--name",
         "leave",
     )
@@ -108,7 +112,11 @@ def test_graceful_leave_is_visible_at_once(tmp_path: Path) -> None:
 def run_peer_cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "400"}  # one-line errors stay one line in rich's boxes
     return subprocess.run(
-        [sys.executable, "-m", "peer.cli", "join", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "peer.cli", "join", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env=env,
     )
 

@@ -24,7 +24,7 @@ class ModelConfig(_message.Message):
     def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., vocab_size: _Optional[int] = ..., context: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "weight_stashing", "max_in_flight")
+    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "weight_stashing", "max_in_flight", "checkpoint_every")
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class TrainConfig(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_STASHING_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     micro_batches: int
     micro_batch_size: int
     lr: float
@@ -57,7 +58,8 @@ class TrainConfig(_message.Message):
     max_staleness: int
     weight_stashing: bool
     max_in_flight: int
-    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., weight_stashing: _Optional[bool] = ..., max_in_flight: _Optional[int] = ...) -> None: ...
+    checkpoint_every: int
+    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., weight_stashing: _Optional[bool] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
 
 class HFConfig(_message.Message):
     __slots__ = ("path", "dtype", "int8", "lora_rank", "lora_alpha", "lora_targets", "config_sha256")
@@ -94,7 +96,7 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., device: _Optional[str] = ..., free_memory: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class Assignment(_message.Message):
     UPSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
     HF_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -119,7 +122,8 @@ class Assignment(_message.Message):
     upstream_peer: str
     downstream_peer: str
     hf: HFConfig
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ...) -> None: ...
+    restore_version: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ...) -> None: ...
 
 class Start(_message.Message):
     __slots__ = ("first_step", "num_steps")
@@ -240,14 +244,34 @@ class NamedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_wire_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("peer_id", "stage", "tensors")
+    __slots__ = ("peer_id", "stage", "tensors", "version", "layer_start", "layer_end", "optimizer", "periodic")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    PERIODIC_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+    version: int
+    layer_start: int
+    layer_end: int
+    optimizer: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    periodic: bool
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., version: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., optimizer: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., periodic: _Optional[bool] = ...) -> None: ...
+
+class FetchStateRequest(_message.Message):
+    __slots__ = ("peer_id", "version", "names")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    version: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UploadReply(_message.Message):
     __slots__ = ("tensors",)

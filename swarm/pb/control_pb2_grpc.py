@@ -50,6 +50,11 @@ class ControlStub:
                 request_serializer=wire__pb2.Frame.SerializeToString,
                 response_deserializer=control__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/ravn.control.Control/FetchState',
+                request_serializer=control__pb2.FetchStateRequest.SerializeToString,
+                response_deserializer=wire__pb2.Frame.FromString,
+                _registered_method=True)
         self.Probe = channel.unary_unary(
                 '/ravn.control.Control/Probe',
                 request_serializer=control__pb2.ProbeRequest.SerializeToString,
@@ -80,6 +85,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchState(self, request, context):
+        """A peer taking over a block after a failure fetches its state from the coordinator's store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Probe(self, request, context):
         """Bandwidth probe before joining (bounded sizes).
         """
@@ -104,6 +116,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.UploadState,
                     request_deserializer=wire__pb2.Frame.FromString,
                     response_serializer=control__pb2.UploadReply.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=control__pb2.FetchStateRequest.FromString,
+                    response_serializer=wire__pb2.Frame.SerializeToString,
             ),
             'Probe': grpc.unary_unary_rpc_method_handler(
                     servicer.Probe,
@@ -192,6 +209,33 @@ class Control:
             '/ravn.control.Control/UploadState',
             wire__pb2.Frame.SerializeToString,
             control__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ravn.control.Control/FetchState',
+            control__pb2.FetchStateRequest.SerializeToString,
+            wire__pb2.Frame.FromString,
             options,
             channel_credentials,
             insecure,

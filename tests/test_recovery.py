@@ -1,0 +1,69 @@
+"""Fault tolerance on real processes: a peer killed mid-run costs at most C steps, never the run."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+from tests.conftest import ravn_cmd, read_metrics
+from tests.swarm_procs import Proc
+
+C = 5
+
+
+def test_sigkill_of_a_middle_peer_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+    proc = Proc(
+        ravn_cmd(
+            "local",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "rec",
+            "--peers",
+            "4",
+            "--steps",
+            "60",
+            "--checkpoint-every",
+            str(C),
+            "--eval-every",
+            "10",
+            "--eval-batches",
+            "4",
+            "--heartbeat",
+            "1",
+            "--micro-batch-size",
+            "2",
+        )
+    )
+    try:
+        _, plan = proc.wait_for(r"^plan: (.*)$", 180)
+        order = [part.split("=")[0] for part in plan.group(1).split(", ")]
+        victim = order[1]  # a middle stage
+        proc.wait_for(r"^step 20: validation loss", 240)
+        pids = subprocess.run(["pgrep", "-f", f"peer.cli join .*--name {victim} "], capture_output=True, text=True)
+        pid = min(int(x) for x in pids.stdout.split())
+        os.kill(pid, signal.SIGKILL)
+        killed, _ = proc.wait_for(rf"recovered without {victim}", 60)
+        resumed, _ = proc.wait_for(r"resuming from step (\d+)", 5)
+        assert proc.wait(240) == 0, proc.output
+    finally:
+        proc.stop()
+    metrics = read_metrics(tmp_path / "rec")
+    recovery = next(m for m in metrics if m["kind"] == "recovery")
+    assert recovery["gone"] == [victim]
+    assert recovery["from_step"] >= 20 - C and recovery["lost_steps"] <= C + 1
+    after_recovery = metrics[metrics.index(recovery) :]
+    first_step_after = next(m for m in after_recovery if m["kind"] == "step")
+    assert first_step_after["time"] - recovery["time"] < 15, "training did not resume within 15 s"
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    before = max((m for m in evals if m["time"] < recovery["time"]), key=lambda m: m["time"])
+    after = next(m for m in evals if m["time"] > recovery["time"])
+    assert after["loss"] <= before["loss"] * 1.05, f"validation loss jumped from {before['loss']} to {after['loss']}"
+    summary = next(m for m in metrics if m["kind"] == "summary")
+    assert len(summary["stages"]) == 3
+    # every surviving stage took exactly one optimizer step per training step: nothing applied twice
+    assert all(st["weight_version"] == 60 for st in summary["stages"]), summary["stages"]
+    assert re.search(r"checkpoint: .*model\.safetensors", proc.output)
