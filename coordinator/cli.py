@@ -14,6 +14,7 @@ from hivemind.p2p import P2PDaemonError
 from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, with_train_options
 from coordinator.swarm_run import RunSettings, SwarmRun
+from swarm.config_file import enable_config, remove_join_file, write_join_file
 from swarm.logs import setup_logging
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -46,6 +47,17 @@ def serve(
     ] = None,
     heartbeat: Annotated[float, typer.Option(min=0.2, help="Seconds between membership checks.")] = 5.0,
     join_timeout: Annotated[float, typer.Option(help="Seconds to wait for all peers to join.")] = 600.0,
+    join_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the join values (swarm, DHT multiaddrs, public key) as TOML once listening; "
+            "removed at start and exit. Peers can use it as `ravn-peer join --config FILE`."
+        ),
+    ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address of the Prometheus endpoint.")] = "127.0.0.1",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Wait for PEERS peers, split the model among them, train, and write the run's artefacts."""
@@ -69,7 +81,11 @@ def serve(
         model_name=options.model_name,
         swarm=swarm,
         hf=options.hf_config(),
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
+    if join_file is not None:
+        remove_join_file(join_file)  # a stale one names a DHT identity that no longer exists
     try:
         membership = Membership(
             MembershipSettings(
@@ -86,9 +102,11 @@ def serve(
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
         raise typer.Exit(2) from None
     try:
-        raise typer.Exit(uvloop.run(_serve(settings, membership)))
+        raise typer.Exit(uvloop.run(_serve(settings, membership, join_file)))
     finally:
         membership.shutdown()
+        if join_file is not None:
+            remove_join_file(join_file)
 
 
 def join_command(run: SwarmRun, membership: Membership) -> str:
@@ -97,7 +115,7 @@ def join_command(run: SwarmRun, membership: Membership) -> str:
     return f"ravn-peer join --swarm {membership.s.swarm} {peers} --coordinator-key {membership.public_key}{extra}"
 
 
-async def _serve(settings: RunSettings, membership: Membership) -> int:
+async def _serve(settings: RunSettings, membership: Membership, join_file: Path | None = None) -> int:
     run = SwarmRun(settings, membership)
     port = await run.start_server()
     run.progress.message(
@@ -105,9 +123,21 @@ async def _serve(settings: RunSettings, membership: Membership) -> int:
         f"(key {membership.fingerprint}); DHT at {' '.join(membership.maddrs())}"
     )
     run.progress.message(f"waiting for {settings.peers} peers; on each peer run:")
-    run.progress.message(
-        f"  {join_command(run, membership)}",
-    )
+    run.progress.message(f"  {join_command(run, membership)}")
+    if join_file is not None:
+        try:
+            write_join_file(
+                join_file,
+                swarm=settings.swarm,
+                initial_peers=membership.maddrs(),
+                coordinator_key=membership.public_key,
+                comment=f"swarm {settings.swarm}, coordinator key {membership.fingerprint}",
+            )
+        except OSError as e:
+            run.progress.message(f"error: cannot write the join file {join_file}: {e}")
+            await run.stop_server()
+            return 2
+        run.progress.message(f"join values written to {join_file}")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, run.request_stop)
@@ -115,6 +145,9 @@ async def _serve(settings: RunSettings, membership: Membership) -> int:
         return await run.run()
     finally:
         await run.stop_server()
+
+
+enable_config(app, sections={"serve": "coordinator.serve"})
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ gets a gRPC status naming what to fix (wrong protocol version, bad endpoint, dup
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,9 @@ class ControlService(cgrpc.ControlServicer):
             chunk.optimizer.add(name=name, tensor=tensor_to_pb(t, "fp32"))
         for frame in split_packet(chunk, 1):
             yield frame
+
+    async def Status(self, request: cpb.StatusRequest, context: grpc.aio.ServicerContext) -> cpb.StatusReply:  # noqa: N802
+        return cpb.StatusReply(status_json=json.dumps(self.run.status().to_dict(), allow_nan=False))
 
     async def Probe(self, request: cpb.ProbeRequest, context: grpc.aio.ServicerContext) -> cpb.ProbeReply:  # noqa: N802
         if request.reply_bytes > MAX_PROBE_BYTES:

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from typing import Annotated
 
+import grpc
 import typer
 import uvloop
+from rich.console import Console
+from rich.live import Live
 
 from coordinator.local_swarm import run_local
 from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, with_train_options
+from coordinator.status_view import SwarmStatus, exit_code, render, renderable, status_json, verdict
 from coordinator.swarm_run import RunSettings
+from swarm.config_file import enable_config
 from swarm.logs import setup_logging
+from swarm.multiaddrs import multiaddr_to_grpc_target
+from swarm.pb import control_pb2 as cpb
+from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.transport import GRPC_OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -31,6 +42,9 @@ def local(
     threads: Annotated[int, typer.Option(min=0, help="Compute threads per peer (0: cores / peers).")] = 0,
     device: Annotated[str, typer.Option(help="'auto' (CUDA when present), 'cpu' or 'cuda'.")] = "auto",
     heartbeat: Annotated[float, typer.Option(min=0.2, help="Seconds between DHT announcements.")] = 2.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="Serve the coordinator's Prometheus metrics on this port.")
+    ] = None,
     debug_slow_peer: Annotated[str, typer.Option(hidden=True, help="Testing: INDEX:SECONDS slows one peer.")] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
@@ -53,6 +67,7 @@ def local(
         model_name=options.model_name,
         swarm=swarm,
         hf=options.hf_config(),
+        metrics_port=metrics_port,
     )
     threads = threads or max(1, (os.cpu_count() or 1) // peers)
     membership = Membership(MembershipSettings(swarm=swarm, key_file=run_dir / "coordinator.pem", heartbeat=heartbeat))
@@ -66,6 +81,49 @@ def local(
     finally:
         membership.shutdown()
     raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    coordinator: Annotated[
+        str, typer.Option(help="The coordinator's control address (HOST:PORT or a multiaddr).")
+    ] = "127.0.0.1:31337",
+    json_output: Annotated[bool, typer.Option("--json", help="Print the status as JSON, for scripts.")] = False,
+    watch: Annotated[bool, typer.Option(help="Redraw live until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(min=0.2, help="Seconds between redraws with --watch.")] = 2.0,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the coordinator.")] = 5.0,
+) -> None:
+    """Show a swarm's health: verdict, run progress, every peer and block. Exit code 0/1/2: healthy/degraded/broken."""
+    target = multiaddr_to_grpc_target(coordinator) if coordinator.startswith("/") else coordinator
+    try:
+        snapshot = fetch_status(target, timeout)
+        if json_output:
+            typer.echo(json.dumps(status_json(snapshot), indent=2))
+            raise typer.Exit(exit_code(verdict(snapshot)))
+        console = Console()
+        if not watch:
+            render(snapshot, console)
+            raise typer.Exit(exit_code(verdict(snapshot)))
+        with Live(renderable(snapshot), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(interval)
+                snapshot = fetch_status(target, timeout)
+                live.update(renderable(snapshot))
+    except (grpc.RpcError, ValueError) as e:
+        detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        typer.echo(f"error: cannot read the status of the coordinator at {target}: {detail}", err=True)
+        raise typer.Exit(3) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+def fetch_status(target: str, timeout: float) -> SwarmStatus:
+    with grpc.insecure_channel(target, options=GRPC_OPTIONS) as channel:
+        reply = cgrpc.ControlStub(channel).Status(cpb.StatusRequest(), timeout=timeout)
+    return SwarmStatus.from_dict(json.loads(reply.status_json))
+
+
+enable_config(app, sections={"local": "local", "status": "status"})
 
 
 def main() -> None:

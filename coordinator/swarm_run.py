@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,15 +25,20 @@ from coordinator.membership import Membership, make_plan
 from coordinator.plan_inputs import model_spec, peer_specs
 from coordinator.planner import plan as plan_partition
 from coordinator.progress import Progress
+from coordinator.status_view import RunStatus, SwarmStatus, blocks_from_peers, eta_seconds, peer_status_from_stats
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
+from swarm.metrics import MetricsServer
 from swarm.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.transport import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
+
+
+STATUS_WINDOW_S = 10.0
 
 
 class RunFailed(RuntimeError):
@@ -50,6 +56,7 @@ class PeerSession:
     ready: bool = False
     stats: cpb.StageStats = field(default_factory=cpb.StageStats)
     last_seen: float = field(default_factory=time.monotonic)
+    window: deque = field(default_factory=deque)  # (time, StageStats) of the last ~10 s, for rates
 
 
 @dataclass
@@ -68,6 +75,8 @@ class RunSettings:
     swarm: str = "ravn"
     announce: str = ""
     hf: HFConfig | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 class SwarmRun:
@@ -83,6 +92,9 @@ class SwarmRun:
         self._lost: set[str] = set()
         self._departed: set[str] = set()
         self._recovering = False
+        self.metrics_server = MetricsServer()
+        self.metrics = self.metrics_server.coordinator(settings.swarm, settings.name)
+        self.metrics.set_total_steps(settings.train.steps)
         self.store = CheckpointStore(settings.run_dir / "checkpoints", settings.model.n_layers)
         self._step_tokens: list[int] = []
         self._train_t0 = 0.0
@@ -154,8 +166,11 @@ class SwarmRun:
 
     def on_report(self, r: cpb.StatusReport) -> None:
         session = self.sessions[r.peer_id]
-        session.last_seen = time.monotonic()
+        session.last_seen = now = time.monotonic()
         session.stats = r.stats
+        session.window.append((now, r.stats))
+        while len(session.window) > 2 and now - session.window[0][0] > STATUS_WINDOW_S:
+            session.window.popleft()
         if r.ready:
             session.ready = True
             if all(x.ready for x in self.sessions.values()) and set(self.sessions) >= set(self.planned):
@@ -166,15 +181,69 @@ class SwarmRun:
             self.artifacts.log("step", step=st.step, loss=st.loss, tokens=st.tokens, seconds=st.seconds)
             self.progress.on_step(st.step, st.loss, st.tokens, st.seconds)
             self._step_tokens.append(st.tokens)
+            self.metrics.on_step(st.step, st.loss, st.tokens)
         for ev in r.evals:
             self.val_losses.append((ev.step, ev.loss))
             self.artifacts.log("eval", step=ev.step, loss=ev.loss, tokens=ev.tokens)
             self.progress.on_eval(ev.step, ev.loss)
-        self.progress.on_wire(sum(s.stats.bytes_sent for s in self.sessions.values()))
+            self.metrics.on_eval(ev.step, ev.loss)
+        wire = sum(x.stats.bytes_sent for x in self.sessions.values())
+        self.progress.on_wire(wire)
+        self.metrics.set_wire_bytes(wire)
+        self.metrics.set_peers(Counter(self._peer_state(x) for x in self.sessions.values()))
         if r.finished:
             self._finished.set()
         if r.error:
             self.fail(f"peer {r.peer_id}: {r.error}")
+
+    def _peer_state(self, session: PeerSession) -> str:
+        if session.peer_id not in self.planned:
+            return "lost"
+        return "training" if self._started and session.ready else "ready" if session.ready else "joining"
+
+    def status(self) -> SwarmStatus:
+        """The swarm as `ravn status` shows it: run progress, each peer, each block."""
+        tokens_per_mb = self.s.train.micro_batch_size * self.s.model.context
+        peers = []
+        for x in self.sessions.values():
+            a, b = self.planned.get(x.peer_id, (0, 0, ""))[:2]
+            (t0, then), (t1, now) = (x.window[0], x.window[-1]) if x.window else ((0.0, None), (0.0, x.stats))
+            peers.append(
+                peer_status_from_stats(
+                    name=x.peer_id,
+                    device=x.device,
+                    block=(a, b),
+                    state=self._peer_state(x),
+                    now=now,
+                    then=then if t1 > t0 else None,
+                    window_s=t1 - t0,
+                    heartbeat_age_s=time.monotonic() - x.last_seen,
+                    tokens_per_micro_batch=tokens_per_mb,
+                )
+            )
+        blocks: tuple = ()
+        if self.plan is not None and any(st.peers for st in self.plan.stages):
+            ranges = [(st.layer_start, st.layer_end) for st in self.plan.stages]
+            replicas = {r: sum(1 for a, b, _ in self.planned.values() if (a, b) == r) for r in ranges}
+            blocks = blocks_from_peers(peers, ranges, replicas=replicas)
+        steps = len(self._step_tokens)
+        elapsed = time.monotonic() - self._train_t0 if self._train_t0 else 0.0
+        tokens = sum(self._step_tokens)
+        run = RunStatus(
+            name=self.run_id,
+            step=steps,
+            total_steps=self.s.train.steps,
+            loss=self.train_losses[-1][1] if self.train_losses else None,
+            val_loss=self.val_losses[-1][1] if self.val_losses else None,
+            tokens_per_s=self.progress.tokens_per_s or None,
+            eta_s=eta_seconds(steps, self.s.train.steps, elapsed),
+            wire_bytes_per_token=(sum(x.stats.bytes_sent for x in self.sessions.values()) / tokens) if tokens else None,
+            loss_history=tuple(v for _, v in self.train_losses[-120:]),
+            heartbeat_s=self.membership.s.heartbeat,
+            max_staleness=self.s.train.staleness_bound,
+            failure=self._failure or "",
+        )
+        return SwarmStatus(run=run, peers=tuple(peers), blocks=blocks, swarm=self.s.swarm, generated_at=time.time())
 
     def on_state(self, peer_id: str, stage: int, tensors: dict[str, torch.Tensor]) -> None:
         self.states[stage] = tensors
@@ -189,6 +258,9 @@ class SwarmRun:
         if self.port == 0:
             raise RunFailed(f"cannot listen on {self.s.host}:{self.s.port}; is the port in use?")
         await self._server.start()
+        if self.s.metrics_port is not None:
+            port = self.metrics_server.start(self.s.metrics_port, self.s.metrics_host)
+            self.progress.message(f"Prometheus metrics on http://{self.s.metrics_host}:{port}/metrics")
         self.control_endpoint = grpc_target_to_multiaddr(f"{self.s.announce or self.s.host}:{self.port}")
         return self.port
 
@@ -294,6 +366,7 @@ class SwarmRun:
                 del self.planned[peer_id]
                 self._departed.add(peer_id)
                 self.uncovered.append(f"layers [{a},{b})")
+                self.metrics.set_uncovered_blocks(len(self.uncovered))
                 self.artifacts.log("membership", peer=peer_id, event="left" if record else "expired", layers=[a, b])
                 self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
                 if self.plan is not None:
@@ -545,6 +618,7 @@ class SwarmRun:
             session.commands.put_nowait(None)
 
     async def stop_server(self) -> None:
+        self.metrics_server.stop()
         if self._server is not None:
             await self._server.stop(grace=2.0)
         self.artifacts.close()

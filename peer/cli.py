@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import socket
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +14,7 @@ import uvloop
 
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
+from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
 
@@ -25,18 +25,6 @@ DEFAULT_CONFIG = Path("~/.config/ravn/peer.toml").expanduser()
 @app.callback()
 def _main() -> None:
     """Run a Ravn peer."""
-
-
-def _from_config(path: Path | None) -> dict:
-    target = path or DEFAULT_CONFIG
-    if not target.exists():
-        if path is not None:
-            raise typer.BadParameter(f"{path} does not exist", param_hint="--config")
-        return {}
-    try:
-        return tomllib.loads(target.read_text())
-    except (tomllib.TOMLDecodeError, OSError) as e:
-        raise typer.BadParameter(f"cannot read {target}: {e}", param_hint="--config") from None
 
 
 @app.command()
@@ -55,10 +43,6 @@ def join(
             envvar="RAVN_COORDINATOR_KEY", help="The coordinator's public key; only plans it signed are obeyed."
         ),
     ] = "",
-    config: Annotated[
-        Path | None,
-        typer.Option(help=f"TOML file with swarm, initial_peers, coordinator_key (default {DEFAULT_CONFIG})."),
-    ] = None,
     name: Annotated[str, typer.Option(help="This peer's name in the swarm (default: hostname-pid).")] = "",
     host: Annotated[str, typer.Option(help="Address the stage service and the DHT listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port of the stage service (0: any free).")] = 0,
@@ -78,16 +62,15 @@ def join(
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")] = 300.0,
     find_timeout: Annotated[float, typer.Option(help="Seconds to look for the swarm's coordinator in the DHT.")] = 60.0,
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address of the Prometheus endpoint.")] = "127.0.0.1",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
 ) -> None:
     """Join a swarm: find it through the DHT, serve the block of layers its coordinator assigns."""
     die_with_parent_if_asked()
-    file = _from_config(config)
-    swarm = swarm or file.get("swarm", "")
-    peers = [
-        p for item in (initial_peers or file.get("initial_peers", [])) for p in str(item).replace(",", " ").split()
-    ]
-    coordinator_key = coordinator_key or file.get("coordinator_key", "")
+    peers = [p for item in (initial_peers or []) for p in str(item).replace(",", " ").split()]
     missing = [
         flag
         for flag, value in (("--swarm", swarm), ("--initial-peers", peers), ("--coordinator-key", coordinator_key))
@@ -131,6 +114,8 @@ def join(
         threads=threads,
         step_timeout=step_timeout,
         slowdown=debug_slowdown,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     raise typer.Exit(uvloop.run(_serve(PeerDaemon(settings, discovery))))
 
@@ -140,6 +125,9 @@ async def _serve(daemon: PeerDaemon) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, daemon.stopping.set)
     return await daemon.run()
+
+
+enable_config(app, sections={"join": "peer.join"}, default_file=DEFAULT_CONFIG)
 
 
 def main() -> None:

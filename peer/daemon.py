@@ -27,6 +27,7 @@ from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.measure import device_name, free_memory_bytes, layer_throughput
 from swarm.messages import AssignmentError, assignment_configs, check_assignment
+from swarm.metrics import MetricsServer
 from swarm.multiaddrs import grpc_target_to_multiaddr, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
@@ -56,7 +57,11 @@ class PeerSettings:
     link_timeout: float = 30.0
     plan_timeout: float = 600.0
     slowdown: float = 0.0  # testing: an artificially slow peer
-    hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
+    hf_path: str = ""
+    metrics_port: int | None = None  # Prometheus endpoint (None: off)
+    metrics_host: str = (
+        "127.0.0.1"  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
+    )
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -73,6 +78,8 @@ class PeerDaemon:
         self.discovery = discovery
         self.plan: Plan | None = None
         self.generation = 0
+        self.metrics_server = MetricsServer()
+        self.metrics = self.metrics_server.peer(settings.peer_id)
         self._dial_task: asyncio.Task | None = None
         self.hf: HFConfig | None = None
         self.peer_id = settings.peer_id
@@ -123,6 +130,9 @@ class PeerDaemon:
         disc = self.discovery
         try:
             disc.start()  # the DHT forks a process: before any gRPC thread exists
+            if self.settings.metrics_port is not None:
+                port = self.metrics_server.start(self.settings.metrics_port, self.settings.metrics_host)
+                log.info("Prometheus metrics on http://%s:%d/metrics", self.settings.metrics_host, port)
             log.info("DHT up; looking for swarm %r", disc.s.swarm)
             plan = await self._unless_stopped(disc.find_swarm())
             await self.start_server()
@@ -217,6 +227,7 @@ class PeerDaemon:
 
     async def close(self) -> None:
         self.stopping.set()
+        self.metrics_server.stop()
         if self.discovery is not None:
             try:
                 await asyncio.wait_for(self.discovery.leave(), 10)
@@ -254,6 +265,7 @@ class PeerDaemon:
             raise AssignmentError(f"cannot build layers [{a.layer_start}, {a.layer_end}): {e}") from e
         if a.restore_version:
             await self._restore(a.restore_version)
+        self.metrics.set_assignment(a.stage, a.layer_start, a.layer_end, train_cfg.micro_batch_size * model_cfg.context)
         self.assignment = a
         self.assigned.set()
         log.info(
@@ -493,9 +505,11 @@ class PeerDaemon:
         )
 
     async def report(self, **fields) -> None:
+        stats = self.stats()
+        self.metrics.update(stats)
         if self._control is None:
             return
-        msg = cpb.StatusReport(peer_id=self.peer_id, stats=self.stats(), **fields)
+        msg = cpb.StatusReport(peer_id=self.peer_id, stats=stats, **fields)
         try:
             await self._control.Report(msg, timeout=10.0)
         except grpc.aio.AioRpcError as e:

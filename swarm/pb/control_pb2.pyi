@@ -292,3 +292,13 @@ class ProbeReply(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("status_json",)
+    STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
+    status_json: str
+    def __init__(self, status_json: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class ControlStub:
                 request_serializer=control__pb2.FetchStateRequest.SerializeToString,
                 response_deserializer=wire__pb2.Frame.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/ravn.control.Control/Status',
+                request_serializer=control__pb2.StatusRequest.SerializeToString,
+                response_deserializer=control__pb2.StatusReply.FromString,
+                _registered_method=True)
         self.Probe = channel.unary_unary(
                 '/ravn.control.Control/Probe',
                 request_serializer=control__pb2.ProbeRequest.SerializeToString,
@@ -92,6 +97,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """What `ravn status` shows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Probe(self, request, context):
         """Bandwidth probe before joining (bounded sizes).
         """
@@ -121,6 +133,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=control__pb2.FetchStateRequest.FromString,
                     response_serializer=wire__pb2.Frame.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=control__pb2.StatusRequest.FromString,
+                    response_serializer=control__pb2.StatusReply.SerializeToString,
             ),
             'Probe': grpc.unary_unary_rpc_method_handler(
                     servicer.Probe,
@@ -236,6 +253,33 @@ class Control:
             '/ravn.control.Control/FetchState',
             control__pb2.FetchStateRequest.SerializeToString,
             wire__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravn.control.Control/Status',
+            control__pb2.StatusRequest.SerializeToString,
+            control__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,78 @@
+"""`ravn status` and the Prometheus endpoint against a live local swarm."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ROOT, ravn_cmd
+from tests.swarm_procs import Proc, assert_all_gone
+
+
+def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
+    proc = Proc(
+        ravn_cmd(
+            "local",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "live",
+            "--peers",
+            "2",
+            "--model",
+            "gpt-tiny",
+            "--steps",
+            "100000",
+            "--eval-every",
+            "5",
+            "--eval-batches",
+            "1",
+            "--metrics-port",
+            "0",
+        )
+    )
+    try:
+        _, m = proc.wait_for(r"coordinator on (127\.0\.0\.1:\d+)", 120)
+        target = m.group(1)
+        _, metrics_url = proc.wait_for(r"Prometheus metrics on (http://\S+)", 30)
+        proc.wait_for(r"step 10: validation loss", 180)
+        tree = proc.tree()
+        out = subprocess.run(
+            ravn_cmd("status", "--coordinator", target, "--json"), cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode in (0, 1), out.stderr  # healthy, or degraded while a peer is still warming up
+        status = json.loads(out.stdout)
+        assert status["run"]["step"] >= 10 and status["run"]["val_loss"] is not None
+        assert sorted(p["name"] for p in status["peers"]) == ["peer-0", "peer-1"]
+        assert {tuple(b["layers"]) for b in status["blocks"]} == {(0, 1), (1, 3)} or len(status["blocks"]) == 2
+        table = subprocess.run(
+            ravn_cmd("status", "--coordinator", target),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
+        )
+        assert re.search(r"healthy|degraded", table.stdout) and "peer-0" in table.stdout, table.stdout + table.stderr
+        body = urllib.request.urlopen(metrics_url.group(1), timeout=10).read().decode()
+        names = {f.name for f in text_string_to_metric_families(body)}
+        assert any(n.startswith("ravn_") for n in names), sorted(names)[:20]
+        proc.popen.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 130
+    finally:
+        proc.stop()
+    assert_all_gone(tree)
+    bad = subprocess.run(
+        ravn_cmd("status", "--coordinator", "127.0.0.1:9", "--timeout", "2"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 3 and "error:" in bad.stderr and "Traceback" not in bad.stderr
