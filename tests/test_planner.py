@@ -125,8 +125,9 @@ def planned_or_inf(peers, model, replicas: bool) -> float:
     if replicas:  # spare peers must be replicas wherever they fit
         by_id = {p.peer_id: p for p in peers}
         for pid in result.unused_peer_ids:
-            assert all(by_id[pid].free_memory < sum(model.layer_memory[s.layer_start : s.layer_end])
-                       for s in result.stages)
+            assert all(
+                by_id[pid].free_memory < sum(model.layer_memory[s.layer_start : s.layer_end]) for s in result.stages
+            )
     return result.bottleneck_time
 
 
@@ -228,8 +229,10 @@ def test_cost_model_matches_reference():
         forward_bytes=tuple(rng.uniform(0, 5) for _ in range(L - 1)),
         backward_bytes=tuple(rng.uniform(0, 5) for _ in range(L - 1)),
     )
-    peers = [PeerSpec(f"p{i}", rng.uniform(0.5, 3), rng.randint(1, 30) * 10, rng.uniform(1, 9), rng.uniform(1, 9))
-             for i in range(6)]
+    peers = [
+        PeerSpec(f"p{i}", rng.uniform(0.5, 3), rng.randint(1, 30) * 10, rng.uniform(1, 9), rng.uniform(1, 9))
+        for i in range(6)
+    ]
     cm = CostModel(peers, model)
     idx = list(range(len(peers)))
     for a in range(L):
@@ -278,8 +281,10 @@ def test_slow_links_push_towards_fewer_stages():
 def test_plan_is_deterministic():
     rng = random.Random(3)
     model = ModelSpec.uniform(12, layer_memory=10, boundary_bytes=1.0)
-    peers = [PeerSpec(f"p{i}", rng.uniform(1, 3), rng.randint(2, 8) * 10, rng.uniform(1, 9), rng.uniform(1, 9))
-             for i in range(9)]
+    peers = [
+        PeerSpec(f"p{i}", rng.uniform(1, 3), rng.randint(2, 8) * 10, rng.uniform(1, 9), rng.uniform(1, 9))
+        for i in range(9)
+    ]
     assert plan(peers, model) == plan(peers, model)
     assert plan(peers, model, replicas=False) == plan(peers, model, replicas=False)
 
@@ -288,8 +293,10 @@ def test_many_peers_plan_is_valid():
     # Scale is measured in benchmarks/planner.py; here only that a big plan is well formed.
     rng = random.Random(11)
     model = ModelSpec.uniform(40, layer_memory=4, boundary_bytes=0.05)
-    peers = [PeerSpec(f"p{i}", rng.uniform(5, 40), rng.choice([16, 32, 64, 200]), rng.uniform(1, 50),
-                      rng.uniform(5, 100)) for i in range(1500)]
+    peers = [
+        PeerSpec(f"p{i}", rng.uniform(5, 40), rng.choice([16, 32, 64, 200]), rng.uniform(1, 50), rng.uniform(5, 100))
+        for i in range(1500)
+    ]
     result = plan(peers, model)
     check_plan(result, peers, model)
     assert not result.unused_peer_ids
@@ -341,7 +348,9 @@ def test_too_little_memory_in_total_is_infeasible(replicas):
 def test_memory_feasibility_is_exact_when_big_layers_need_big_peers():
     # Furthest-reach-first would spend the 400-byte peer on layers 0-1 and strand layer 2.
     model = ModelSpec(
-        layer_cost=(1.0,) * 4, layer_memory=(300.0, 100.0, 400.0, 200.0), forward_bytes=(1.0,) * 3,
+        layer_cost=(1.0,) * 4,
+        layer_memory=(300.0, 100.0, 400.0, 200.0),
+        forward_bytes=(1.0,) * 3,
         backward_bytes=(1.0,) * 3,
     )
     peers = [PeerSpec(f"p{i}", 1.0, mem, 1.0, 1.0) for i, mem in enumerate((400, 100, 300, 100, 300))]

@@ -158,8 +158,13 @@ def scenarios(draw):
     model = ModelSpec.uniform(L, layer_memory=10, boundary_bytes=draw(st.floats(0.0, 1.0)))
     n = draw(st.integers(2, 7))
     peers = [
-        PeerSpec(f"p{i}", draw(st.floats(0.3, 3.0)), 10 * draw(st.integers(1, L)), draw(st.floats(1, 9)),
-                 draw(st.floats(1, 9)))
+        PeerSpec(
+            f"p{i}",
+            draw(st.floats(0.3, 3.0)),
+            10 * draw(st.integers(1, L)),
+            draw(st.floats(1, 9)),
+            draw(st.floats(1, 9)),
+        )
         for i in range(n)
     ]
     event = draw(st.sampled_from(["join", "leave"]))
