@@ -17,6 +17,7 @@ from swarm.config import PROTOCOL_VERSION
 from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.transport import GRPC_OPTIONS
 from swarm.wire import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
 
 if TYPE_CHECKING:
@@ -25,6 +26,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_STATE_BYTES = 8 << 30
 MAX_PROBE_BYTES = 2 << 20
+DIAL_BACK_TIMEOUT = 3.0
+
+
+def caller_host(peer: str) -> str:
+    """gRPC's ``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` -> the host part."""
+    _, _, rest = peer.partition(":")
+    return rest.rsplit(":", 1)[0].strip("[]")
+
+
+async def dial_back(target: str, timeout: float = DIAL_BACK_TIMEOUT) -> tuple[bool, str]:
+    """Can a stranger open a connection to ``target``? (What a neighbour would have to do.)"""
+    async with grpc.aio.insecure_channel(target, options=GRPC_OPTIONS) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+            return True, f"connected to {target}"
+        except TimeoutError:
+            return False, f"no connection to {target} within {timeout:.0f} s (inbound connections blocked?)"
 
 
 class ControlService(cgrpc.ControlServicer):
@@ -103,6 +121,20 @@ class ControlService(cgrpc.ControlServicer):
             chunk.optimizer.add(name=name, tensor=tensor_to_pb(t, "fp32"))
         for frame in split_packet(chunk, 1):
             yield frame
+
+    async def DialBack(self, request: cpb.DialBackRequest, context: grpc.aio.ServicerContext) -> cpb.DialBackReply:  # noqa: N802
+        try:
+            target = multiaddr_to_grpc_target(request.endpoint)
+        except EndpointError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        host = target.rsplit(":", 1)[0].strip("[]")
+        caller = caller_host(context.peer())
+        if host != caller:  # never a port scanner for strangers: only the caller's own address
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"can only dial back the caller's own address {caller}, not {host}"
+            )
+        reachable, detail = await dial_back(target)
+        return cpb.DialBackReply(reachable=reachable, detail=detail)
 
     async def Status(self, request: cpb.StatusRequest, context: grpc.aio.ServicerContext) -> cpb.StatusReply:  # noqa: N802
         return cpb.StatusReply(status_json=json.dumps(self.run.status().to_dict(), allow_nan=False))

@@ -101,6 +101,7 @@ class Membership:
 
 def make_plan(
     *,
+    reachable: dict[str, bool] | None = None,
     swarm: str,
     run_id: str,
     version: int,
@@ -119,7 +120,13 @@ def make_plan(
             "protocol_version": PROTOCOL_VERSION,
             "issued_at": time.time(),
             "stages": [
-                {"layer_start": a, "layer_end": b, "peers": [{"peer_id": p, "endpoint": e} for p, e in peers]}
+                {
+                    "layer_start": a,
+                    "layer_end": b,
+                    "peers": [
+                        {"peer_id": p, "endpoint": e, "reachable": (reachable or {}).get(p, True)} for p, e in peers
+                    ],
+                }
                 for a, b, peers in stages
             ],
         }

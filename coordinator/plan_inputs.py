@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.cost_model import ModelSpec, PeerSpec
+from coordinator.cost_model import CostModel, InfeasiblePlanError, ModelSpec, PeerSpec
+from coordinator.planner import Plan, evaluate_plan
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord
 
@@ -57,3 +58,49 @@ def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = Non
         boundary_bytes=tokens * d * CODEC_BYTES[train.wire_forward],
         backward_bytes=tokens * d * CODEC_BYTES[train.wire_backward],
     )
+
+
+def plan_every_peer(peers: Sequence[PeerSpec], model: ModelSpec) -> Plan:
+    """One block per peer, sized to minimise the slowest stage; every peer gets a block.
+
+    Without replicas a peer left out of the plan would only wait, so while the runtime cannot use
+    replicas every peer holds a block: the best contiguous split for a given peer order is an exact
+    O(P·L²) dynamic programme, tried for the peers fastest-first and by id (it also absorbs noisy
+    speed measurements: a peer that measured slow gets a small block instead of none).
+    """
+    n_layers = model.n_layers
+    if not peers:
+        raise InfeasiblePlanError("no peers")
+    if len(peers) > n_layers:
+        raise InfeasiblePlanError(f"{len(peers)} peers for {n_layers} layers: at most one peer per layer")
+    cm = CostModel(peers, model)
+    best: Plan | None = None
+    orders = [sorted(peers, key=lambda p: -p.speed), sorted(peers, key=lambda p: p.peer_id)]
+    for order in orders:
+        idx = [cm.index[p.peer_id] for p in order]
+        n = len(order)
+        inf = float("inf")
+        cost = [[inf] * (n_layers + 1) for _ in range(n + 1)]  # cost[k][e]: first k peers hold [0, e)
+        cut = [[0] * (n_layers + 1) for _ in range(n + 1)]
+        cost[0][0] = 0.0
+        for k in range(1, n + 1):
+            for e in range(k, n_layers - (n - k) + 1):
+                for s in range(k - 1, e):
+                    if cost[k - 1][s] == inf:
+                        continue
+                    t = max(cost[k - 1][s], cm.stage_time([idx[k - 1]], s, e))
+                    if t < cost[k][e]:
+                        cost[k][e], cut[k][e] = t, s
+        if cost[n][n_layers] == inf:
+            continue
+        bounds, e = [], n_layers
+        for k in range(n, 0, -1):
+            s = cut[k][e]
+            bounds.append((s, e, [order[k - 1].peer_id]))
+            e = s
+        candidate = evaluate_plan(list(reversed(bounds)), peers, model)
+        if best is None or candidate.bottleneck_time < best.bottleneck_time:
+            best = candidate
+    if best is None:
+        raise InfeasiblePlanError("no split gives every peer a block it can hold in memory")
+    return best

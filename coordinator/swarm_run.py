@@ -22,9 +22,9 @@ from coordinator.checkpoint_store import CheckpointStore
 from coordinator.control_service import ControlService
 from coordinator.cost_model import InfeasiblePlanError
 from coordinator.membership import Membership, make_plan
-from coordinator.plan_inputs import model_spec, peer_specs
-from coordinator.planner import plan as plan_partition
+from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
 from coordinator.progress import Progress
+from coordinator.reachability import Unarrangeable, arrange
 from coordinator.status_view import RunStatus, SwarmStatus, blocks_from_peers, eta_seconds, peer_status_from_stats
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
@@ -88,6 +88,7 @@ class SwarmRun:
         self.planned: dict[str, tuple[int, int, str]] = {}  # peer id -> (layer_start, layer_end, endpoint)
         self.uncovered: list[str] = []
         self.predicted_throughput = 0.0
+        self.reachable: dict[str, bool] = {}
         self._departures: list[str] = []
         self._lost: set[str] = set()
         self._departed: set[str] = set()
@@ -287,24 +288,33 @@ class SwarmRun:
 
     # ---- membership and the plan ----------------------------------------------------------------
     def _plan_for(self, records: list[PeerRecord]) -> Plan:
-        """Contiguous blocks sized by each peer's measured throughput, memory and link (one peer per block)."""
+        """Contiguous blocks sized by each peer's measured throughput, memory and link (one peer per block),
+        with peers behind NAT kept apart so that every boundary has a side that accepts connections."""
         try:
-            partition = plan_partition(
-                peer_specs(records), model_spec(self.s.model, self.s.train, self.s.hf), replicas=False
-            )
+            partition = plan_every_peer(peer_specs(records), model_spec(self.s.model, self.s.train, self.s.hf))
         except InfeasiblePlanError as e:
             raise RunFailed(f"no plan fits these peers: {e}") from None
         endpoints = {r.peer_id: r.endpoint for r in records}
-        stages = [(st.layer_start, st.layer_end, [(p, endpoints[p]) for p in st.peer_ids]) for st in partition.stages]
+        self.reachable = {r.peer_id: r.reachable is not False for r in records}
+        blocks = [(st.layer_start, st.layer_end) for st in partition.stages]
+        try:
+            order = arrange([st.peer_ids[0] for st in partition.stages], self.reachable)
+        except Unarrangeable as e:
+            raise RunFailed(f"blocked on reachability: {e}") from None
+        stages = [(a, b, [(p, endpoints[p])]) for (a, b), p in zip(blocks, order, strict=True)]
         self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
         self.predicted_throughput = partition.throughput
         if partition.unused_peer_ids:
             self.progress.message(f"standby (not needed by the plan): {', '.join(partition.unused_peer_ids)}")
+        behind_nat = [p for p in order if not self.reachable[p]]
+        if behind_nat:
+            self.progress.message(f"behind NAT (they dial their neighbours): {', '.join(behind_nat)}")
         return self._publishable(stages)
 
     def _publishable(self, stages: list[tuple[int, int, list[tuple[str, str]]]]) -> Plan:
         self.plan_version += 1
         return make_plan(
+            reachable=self.reachable,
             swarm=self.s.swarm,
             run_id=self.run_id,
             version=self.plan_version,
@@ -473,6 +483,8 @@ class SwarmRun:
             upstream_peer=up.peer_id if up else "",
             downstream_peer=down.peer_id if down else "",
             hf=hf_to_pb(self.s.hf) if self.s.hf else None,
+            dial_upstream=up is not None and not stages[index].peers[0].reachable,
+            accept_downstream=down is not None and not down.reachable,
         )
 
     async def run(self) -> int:

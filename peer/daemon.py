@@ -80,7 +80,7 @@ class PeerDaemon:
         self.generation = 0
         self.metrics_server = MetricsServer()
         self.metrics = self.metrics_server.peer(settings.peer_id)
-        self._dial_task: asyncio.Task | None = None
+        self._dial_tasks: list[asyncio.Task] = []
         self.hf: HFConfig | None = None
         self.peer_id = settings.peer_id
         self.device = settings.resolved_device()
@@ -135,8 +135,9 @@ class PeerDaemon:
                 log.info("Prometheus metrics on http://%s:%d/metrics", self.settings.metrics_host, port)
             log.info("DHT up; looking for swarm %r", disc.s.swarm)
             plan = await self._unless_stopped(disc.find_swarm())
+            reachable = await self._check_reachable(plan)
             await self.start_server()
-            record = await self._measure(plan)
+            record = await self._measure(plan, reachable)
             await disc.announce(record)
             self._tasks.append(asyncio.create_task(disc.heartbeat(), name="heartbeat"))
             log.info(
@@ -166,7 +167,33 @@ class PeerDaemon:
         stop.cancel()
         return task.result()
 
-    async def _measure(self, plan: Plan) -> PeerRecord:
+    async def _check_reachable(self, plan: Plan) -> bool:
+        """Ask the coordinator to dial our stage endpoint back; behind NAT we become a DHT client.
+
+        A throw-away listener on the stage port answers the dial-back (the real server starts later, after
+        any DHT restart: hivemind forks, and forking after gRPC threads exist is unsafe).
+        """
+        probe = grpc.aio.server(options=GRPC_OPTIONS)
+        port = probe.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        await probe.start()
+        endpoint = grpc_target_to_multiaddr(f"{self.settings.announce or self.settings.host}:{port}")
+        try:
+            async with grpc.aio.insecure_channel(
+                multiaddr_to_grpc_target(plan.coordinator), options=GRPC_OPTIONS
+            ) as ch:
+                reply = await cgrpc.ControlStub(ch).DialBack(cpb.DialBackRequest(endpoint=endpoint), timeout=15)
+            reachable, detail = reply.reachable, reply.detail
+        except grpc.aio.AioRpcError as e:
+            reachable, detail = True, f"could not check ({e.details()}); assuming reachable"
+        finally:
+            await probe.stop(grace=None)
+        self.settings = dataclasses.replace(self.settings, port=port)  # keep the port that was checked
+        if not reachable:
+            log.warning("not reachable from outside (%s): this peer will dial its neighbours", detail)
+            await asyncio.to_thread(self.discovery.restart_as_client)
+        return reachable
+
+    async def _measure(self, plan: Plan, reachable: bool = True) -> PeerRecord:
         cfg = MODEL_PRESETS.get(plan.model_name, MODEL_PRESETS["gpt-small"])
         throughput = await self.run_compute(layer_throughput, cfg, self.device)
         up, down = await measure_bandwidth(multiaddr_to_grpc_target(plan.coordinator))
@@ -182,6 +209,7 @@ class PeerDaemon:
             software_version=SOFTWARE_VERSION,
             protocol_version=PROTOCOL_VERSION,
             timestamp=time.time(),
+            reachable=reachable,
         )
 
     async def _session(self, coordinator: str) -> int:
@@ -279,9 +307,13 @@ class PeerDaemon:
         if self.runner.is_first:
             self.driver = Driver(self, train_cfg, model_cfg, hf)
             await self.run_compute(self.driver.load_data)
-        if a.downstream_endpoint:
-            self._dial_task = asyncio.create_task(self._dial_downstream(a, self.generation), name="downstream")
-            self._tasks.append(self._dial_task)
+        self._dial_tasks = []
+        if a.downstream_endpoint and not a.accept_downstream:
+            self._dial_tasks.append(asyncio.create_task(self._dial(a, self.generation, "downstream")))
+        if a.upstream_endpoint and a.dial_upstream:  # we are behind NAT: we open the link to our upstream
+            self._dial_tasks.append(asyncio.create_task(self._dial(a, self.generation, "upstream")))
+        self._tasks.extend(self._dial_tasks)
+        if a.downstream_endpoint:  # dialled by us, or by a downstream peer behind NAT
             await asyncio.wait_for(self.downstream_ready.wait(), self.settings.link_timeout)
         await self.report(ready=True)
         if self.discovery is not None and self.discovery.record is not None:
@@ -313,9 +345,9 @@ class PeerDaemon:
         if self.driver is not None:
             self.driver.cancel()
             self.driver = None
-        if self._dial_task is not None:
-            self._dial_task.cancel()
-            self._dial_task = None
+        for task in self._dial_tasks:
+            task.cancel()
+        self._dial_tasks = []
         for link in (self.upstream, self.downstream):
             if link is not None:
                 link.close()
@@ -398,28 +430,37 @@ class PeerDaemon:
         a = self.assignment
         return hello_packet(self.peer_id, a.stage if a else 0, a.run_id if a else "", PROTOCOL_VERSION)
 
-    async def _dial_downstream(self, a: cpb.Assignment, generation: int) -> None:
-        target = multiaddr_to_grpc_target(a.downstream_endpoint)
+    async def _dial(self, a: cpb.Assignment, generation: int, side: str) -> None:
+        """Open the link to a neighbour (``side``: "downstream" normally, "upstream" when we are behind NAT)."""
+        peer, endpoint = (
+            (a.downstream_peer, a.downstream_endpoint)
+            if side == "downstream"
+            else (a.upstream_peer, a.upstream_endpoint)
+        )
+        target = multiaddr_to_grpc_target(endpoint)
         channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
-        link = Link(f"{self.peer_id}->{a.downstream_peer}")
+        link = Link(f"{self.peer_id}->{peer}")
         call = wgrpc.StageStub(channel).Link()
         try:
             for frame in split_packet(self.hello(), 0):
                 await call.write(frame)
             hello = await read_hello(call, link, self.settings.link_timeout)
-            if hello.peer_id != a.downstream_peer:
-                raise WireError(f"expected downstream peer {a.downstream_peer}, reached {hello.peer_id}")
-            self.downstream = link
-            self.downstream_ready.set()
+            if hello.peer_id != peer:
+                raise WireError(f"expected {side} peer {peer}, reached {hello.peer_id}")
+            if side == "downstream":
+                self.downstream = link
+                self.downstream_ready.set()
+            else:
+                self.upstream = link
             await link.run(call, self.on_packet)
-            await self._link_failed(generation, f"downstream peer {a.downstream_peer} closed the link")
+            await self._link_failed(generation, f"{side} peer {peer} closed the link")
         except (WireError, StageInputError) as e:
             self.refused += 1
             await refuse_client_stream(call, link, str(e))
-            await self._link_failed(generation, f"refused a packet from downstream {a.downstream_peer}: {e}")
+            await self._link_failed(generation, f"refused a packet from {side} {peer}: {e}")
         except (TimeoutError, grpc.aio.AioRpcError, LinkClosed) as e:
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            await self._link_failed(generation, f"link to downstream {a.downstream_peer} at {target} failed: {detail}")
+            await self._link_failed(generation, f"link to {side} {peer} at {target} failed: {detail}")
         finally:
             await channel.close()
 

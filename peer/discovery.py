@@ -67,8 +67,12 @@ class Discovery:
         self.record: PeerRecord | None = None
         self._plan_version = 0
 
-    def start(self) -> None:
-        """Start the DHT node; fails fast when no initial peer answers."""
+    def start(self, client_mode: bool = False) -> None:
+        """Start the DHT node; fails fast when no initial peer answers.
+
+        ``client_mode``: for a peer behind NAT, which cannot accept the DHT's inbound connections; it then
+        only asks and stores, and other nodes do not wait on it.
+        """
         ip = "ip6" if ":" in self.s.dht_host else "ip4"
         try:
             self.dht = OwnedDHT(
@@ -76,12 +80,18 @@ class Discovery:
                 initial_peers=list(self.initial_peers),
                 host_maddrs=[f"/{ip}/{self.s.dht_host}/tcp/{self.s.dht_port}"],
                 record_validators=dht_record_validators(),
+                client_mode=client_mode,
             )
         except P2PDaemonError as e:
             raise DiscoveryError(
                 f"cannot reach any initial peer ({', '.join(self.initial_peers)}): "
                 f"{str(e).splitlines()[0][:200]}; check the address and that the coordinator runs"
             ) from None
+
+    def restart_as_client(self) -> None:
+        """Behind NAT after all: rejoin the DHT as a client (keeps the pinned key and the plan version)."""
+        self.shutdown()
+        self.start(client_mode=True)
 
     async def find_swarm(self) -> Plan:
         """The coordinator's current plan; proof that the swarm exists and who coordinates it."""

@@ -59,17 +59,26 @@ class StageService(wgrpc.StageServicer):
                 f"run {hello.run_id!r} is not this peer's run {a.run_id!r}",
             )
             return
-        if hello.peer_id != a.upstream_peer:
+        from_downstream = bool(a.accept_downstream) and hello.peer_id == a.downstream_peer
+        if hello.peer_id != a.upstream_peer and not from_downstream:
             await fail_server_stream(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"peer {hello.peer_id!r} is not this stage's upstream neighbour {a.upstream_peer!r}",
+                f"peer {hello.peer_id!r} is not this stage's upstream neighbour {a.upstream_peer!r}"
+                + (f" nor its downstream neighbour {a.downstream_peer!r}" if a.accept_downstream else ""),
             )
             return
         link.name = f"{d.peer_id}<-{hello.peer_id}"
-        if d.upstream is not None and not d.upstream.closed.is_set():
-            d.upstream.close()
-        d.upstream = link
+        generation = d.generation
+        if from_downstream:  # a downstream neighbour behind NAT dialled us
+            if d.downstream is not None and not d.downstream.closed.is_set():
+                d.downstream.close()
+            d.downstream = link
+            d.downstream_ready.set()
+        else:
+            if d.upstream is not None and not d.upstream.closed.is_set():
+                d.upstream.close()
+            d.upstream = link
         for frame in split_packet(d.hello(), 0):
             await context.write(frame)
         try:
@@ -82,3 +91,7 @@ class StageService(wgrpc.StageServicer):
         finally:
             if d.upstream is link:
                 d.upstream = None
+            if d.downstream is link:
+                d.downstream = None
+        if from_downstream:  # we wait for this neighbour's gradients: its loss is ours to report
+            await d._link_failed(generation, f"downstream peer {hello.peer_id} (behind NAT) closed its link")

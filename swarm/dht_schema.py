@@ -117,6 +117,7 @@ class PeerRecord(_Strict):
 class PlanPeer(_Strict):
     peer_id: PeerId
     endpoint: Multiaddress
+    reachable: bool = True  # False: behind NAT; its neighbours wait for it to dial them
 
     @field_validator("endpoint")
     @classmethod

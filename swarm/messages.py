@@ -112,5 +112,10 @@ def check_assignment(a: cpb.Assignment, plan: Plan, peer_id: str) -> None:
         problems.append(f"downstream {a.downstream_peer} at {a.downstream_endpoint} is not in the signed plan")
     if bool(a.upstream_peer) != bool(up) or bool(a.downstream_peer) != bool(down):
         problems.append("neighbours differ from the signed plan")
+    me = next(p for p in st.peers if p.peer_id == peer_id)
+    if a.dial_upstream != (bool(up) and not me.reachable) or a.accept_downstream != (
+        bool(down) and not all(p.reachable for p in down)
+    ):
+        problems.append("dial directions differ from the reachability in the signed plan")
     if problems:
         raise AssignmentError("assignment does not match the coordinator's signed plan: " + "; ".join(problems))

@@ -64,3 +64,17 @@ def test_codecs_shrink_boundary_bytes() -> None:
     packed = model_spec(MODEL, TRAIN)
     assert fp32.forward_bytes[0] / packed.forward_bytes[0] > 7
     assert fp32.backward_bytes[0] / packed.backward_bytes[0] > 3.5
+
+
+def test_every_peer_gets_a_block_sized_by_its_speed() -> None:
+    from coordinator.plan_inputs import plan_every_peer
+
+    p = plan_every_peer(
+        peer_specs([record("fast", 40.0), record("slow", 0.5), record("mid", 10.0)]), model_spec(MODEL, TRAIN)
+    )
+    sizes = {pid: st.layer_end - st.layer_start for st in p.stages for pid in st.peer_ids}
+    assert set(sizes) == {"fast", "slow", "mid"} and sum(sizes.values()) == MODEL.n_layers
+    assert sizes["slow"] == 1 and sizes["fast"] > sizes["mid"]
+    tiny = ModelConfig(n_layers=3, d_model=64, n_heads=2, context=64)
+    p = plan_every_peer(peer_specs([record("a", 1.0), record("b", 50.0), record("c", 7.0)]), model_spec(tiny, TRAIN))
+    assert [st.layer_end - st.layer_start for st in p.stages] == [1, 1, 1]

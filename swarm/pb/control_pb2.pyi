@@ -96,7 +96,7 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., device: _Optional[str] = ..., free_memory: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version", "dial_upstream", "accept_downstream")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class Assignment(_message.Message):
     DOWNSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
     HF_FIELD_NUMBER: _ClassVar[int]
     RESTORE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIAL_UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -123,7 +125,9 @@ class Assignment(_message.Message):
     downstream_peer: str
     hf: HFConfig
     restore_version: int
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ...) -> None: ...
+    dial_upstream: bool
+    accept_downstream: bool
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ..., dial_upstream: _Optional[bool] = ..., accept_downstream: _Optional[bool] = ...) -> None: ...
 
 class Start(_message.Message):
     __slots__ = ("first_step", "num_steps")
@@ -292,6 +296,20 @@ class ProbeReply(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class DialBackRequest(_message.Message):
+    __slots__ = ("endpoint",)
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    def __init__(self, endpoint: _Optional[str] = ...) -> None: ...
+
+class DialBackReply(_message.Message):
+    __slots__ = ("reachable", "detail")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    detail: str
+    def __init__(self, reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

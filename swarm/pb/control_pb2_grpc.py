@@ -55,6 +55,11 @@ class ControlStub:
                 request_serializer=control__pb2.FetchStateRequest.SerializeToString,
                 response_deserializer=wire__pb2.Frame.FromString,
                 _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/ravn.control.Control/DialBack',
+                request_serializer=control__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=control__pb2.DialBackReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/ravn.control.Control/Status',
                 request_serializer=control__pb2.StatusRequest.SerializeToString,
@@ -97,6 +102,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DialBack(self, request, context):
+        """Reachability check at join.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """What `ravn status` shows.
         """
@@ -133,6 +145,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=control__pb2.FetchStateRequest.FromString,
                     response_serializer=wire__pb2.Frame.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=control__pb2.DialBackRequest.FromString,
+                    response_serializer=control__pb2.DialBackReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -253,6 +270,33 @@ class Control:
             '/ravn.control.Control/FetchState',
             control__pb2.FetchStateRequest.SerializeToString,
             wire__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravn.control.Control/DialBack',
+            control__pb2.DialBackRequest.SerializeToString,
+            control__pb2.DialBackReply.FromString,
             options,
             channel_credentials,
             insecure,
