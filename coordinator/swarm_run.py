@@ -93,6 +93,7 @@ class SwarmRun:
         self._lost: set[str] = set()
         self._departed: set[str] = set()
         self._recovering = False
+        self._leaving: set[str] = set()
         self.metrics_server = MetricsServer()
         self.metrics = self.metrics_server.coordinator(settings.swarm, settings.name)
         self.metrics.set_total_steps(settings.train.steps)
@@ -196,6 +197,13 @@ class SwarmRun:
             self._finished.set()
         if r.error:
             self.fail(f"peer {r.peer_id}: {r.error}")
+        if r.leaving and r.peer_id not in self._leaving:
+            self._leaving.add(r.peer_id)
+            self.progress.message(f"peer {r.peer_id} asks to leave: checkpointing the swarm to hand its block over")
+            if self._started and self.s.train.checkpoint_every and not self._finished.is_set():
+                self.fail(f"peer {r.peer_id} is leaving")
+            else:
+                session.commands.put_nowait(cpb.Command(shutdown=cpb.Shutdown(reason="leave granted")))
 
     def _peer_state(self, session: PeerSession) -> str:
         if session.peer_id not in self.planned:
@@ -415,12 +423,41 @@ class SwarmRun:
             await asyncio.sleep(0.1)
         return set()
 
+    async def _checkpoint_now(self, timeout: float = 60.0) -> int | None:
+        """Finish the current step everywhere, then checkpoint every block at that version (nothing lost)."""
+        first = next((x for x in self.sessions.values() if x.stage == 0), None)
+        if first is None:
+            return None
+        first.commands.put_nowait(cpb.Command(stop_training=cpb.StopTraining()))
+        try:
+            await asyncio.wait_for(self._finished.wait(), timeout)
+        except TimeoutError:
+            return None
+        version = self._last_step + 1
+        for session in self.sessions.values():
+            session.commands.put_nowait(cpb.Command(collect_state=cpb.CollectState(checkpoint=True)))
+        deadline = time.monotonic() + timeout
+        while not self.store.is_complete(version):
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.1)
+        return version
+
     async def _recover(self, reason: str) -> int:
         """Re-plan the surviving peers and restart them from the latest complete checkpoint."""
         t0 = time.monotonic()
         self._recovering = True
         self.progress.message(f"recovering: {reason}")
         try:
+            leavers = self._leaving & set(self.sessions)
+            if leavers and not (self._lost & leavers):  # a graceful leave: hand the block over, lose nothing
+                if await self._checkpoint_now() is None:
+                    self.progress.message("could not checkpoint before the leave; falling back to the last checkpoint")
+                for peer_id in leavers:
+                    self.sessions[peer_id].commands.put_nowait(
+                        cpb.Command(shutdown=cpb.Shutdown(reason="leave granted"))
+                    )
+                    self._lost.add(peer_id)
             gone = await self._await_departures()  # empty: every peer is alive, a link broke: restart them all
             for peer_id in gone:
                 session = self.sessions.pop(peer_id)

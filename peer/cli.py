@@ -123,7 +123,7 @@ def join(
 async def _serve(daemon: PeerDaemon) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, daemon.stopping.set)
+        loop.add_signal_handler(sig, daemon.request_leave)
     return await daemon.run()
 
 

@@ -56,6 +56,7 @@ class PeerSettings:
     step_timeout: float = 300.0
     link_timeout: float = 30.0
     plan_timeout: float = 600.0
+    leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     slowdown: float = 0.0  # testing: an artificially slow peer
     hf_path: str = ""
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
@@ -96,6 +97,7 @@ class PeerDaemon:
         self.endpoint = ""
         self.refused = 0
         self.stopping = asyncio.Event()
+        self.leaving = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._control: cgrpc.ControlStub | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -239,7 +241,12 @@ class PeerDaemon:
                     if self.driver is not None:
                         self.driver.stop_after_step()
                 elif kind == "collect_state":
-                    await self._upload_state()
+                    if command.collect_state.checkpoint:
+                        runner = self.runner
+                        version, (weights, optim) = runner.version, await self.run_compute(runner.checkpoint_state)
+                        await self._upload_checkpoint(version, weights, optim)
+                    else:
+                        await self._upload_state()
                 elif kind == "shutdown":
                     log.info("shutdown requested by the coordinator: %s", command.shutdown.reason)
                     break
@@ -252,6 +259,29 @@ class PeerDaemon:
             await self.fail(str(e))
             return 2
         return 0
+
+    def request_leave(self) -> None:
+        """First Ctrl-C/SIGTERM: hand the block over through the coordinator, then go; the second: go now."""
+        if self.leaving.is_set() or self.assignment is None or self._control is None:
+            self.stopping.set()
+            return
+        self.leaving.set()
+        log.info(
+            "leaving: handing layers [%d, %d) over (press Ctrl-C again to quit at once)",
+            self.assignment.layer_start,
+            self.assignment.layer_end,
+        )
+        self._tasks.append(asyncio.create_task(self._leave_gracefully()))
+
+    async def _leave_gracefully(self) -> None:
+        await self.report(leaving=True)
+        try:  # the coordinator checkpoints the swarm, then releases us with a shutdown
+            await asyncio.wait_for(self.stopping.wait(), self.settings.leave_timeout)
+        except TimeoutError:
+            log.warning(
+                "the coordinator did not release this peer within %.0f s; leaving anyway", self.settings.leave_timeout
+            )
+            self.stopping.set()
 
     async def close(self) -> None:
         self.stopping.set()
@@ -411,6 +441,7 @@ class PeerDaemon:
 
     async def _upload_state(self) -> None:
         assert self.runner is not None and self.assignment is not None
+        await self.report()  # final stats reach the coordinator before the state does (its summary uses them)
         from swarm.wire import tensor_to_pb
 
         state = await self.run_compute(self.runner.state_dict)

@@ -134,16 +134,18 @@ class Driver:
             reporter.cancel()
 
     async def _report_steps(self) -> None:
-        """Send step and eval results in order, off the gradient path."""
+        """Send step and eval results in order, off the gradient path; whatever piled up goes in one report."""
         while True:
-            item = await self._reports.get()
-            if item is None:
-                await self.d.report(finished=True)
+            items = [await self._reports.get()]
+            while not self._reports.empty():
+                items.append(self._reports.get_nowait())
+            finished = items[-1] is None
+            items = [i for i in items if i is not None]
+            steps = [i for i in items if isinstance(i, cpb.StepResult)]
+            evals = [i for i in items if isinstance(i, cpb.EvalResult)]
+            await self.d.report(steps=steps, evals=evals, finished=finished)
+            if finished:
                 return
-            if isinstance(item, cpb.EvalResult):
-                await self.d.report(evals=[item])
-            else:
-                await self.d.report(steps=[item])
 
     async def _forward(self, mb: pb.MicroBatch, x, y) -> None:
         d = self.d

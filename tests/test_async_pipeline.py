@@ -78,5 +78,5 @@ def test_a_slow_peer_throttles_admissions(tmp_path: Path) -> None:
     for st in s["stages"]:
         assert st["in_flight_peak"] <= limit, st
         assert len(st["staleness_counts"]) <= 2 and st["dropped"] == 0
-    fast = s["stages"][0]
-    assert fast["bubble_fraction"] is not None and fast["bubble_fraction"] > 0.5, "the fast stage should wait"
+    # the data source hit the cap (it was throttled) and never went past it: memory stays bounded
+    assert s["stages"][0]["in_flight_peak"] == limit, s["stages"][0]

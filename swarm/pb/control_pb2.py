@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import wire_pb2 as wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x0cravn.control\x1a\nwire.proto\"t\n\x0bModelConfig\x12\x10\n\x08n_layers\x18\x01 \x01(\r\x12\x0f\n\x07\x64_model\x18\x02 \x01(\r\x12\x0f\n\x07n_heads\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\x98\x03\n\x0bTrainConfig\x12\x15\n\rmicro_batches\x18\x01 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x02 \x01(\r\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x11\n\tdata_seed\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\t\x12\x12\n\neval_every\x18\x07 \x01(\r\x12\x14\n\x0c\x65val_batches\x18\x08 \x01(\r\x12\x10\n\x08schedule\x18\t \x01(\t\x12&\n\x0cwire_forward\x18\n \x01(\x0e\x32\x10.ravn.wire.Codec\x12\'\n\rwire_backward\x18\x0b \x01(\x0e\x32\x10.ravn.wire.Codec\x12\x14\n\x0cwarmup_steps\x18\x0c \x01(\x01\x12\x11\n\tgrad_clip\x18\r \x01(\x01\x12\x15\n\rmax_staleness\x18\x0e \x01(\r\x12\x17\n\x0fweight_stashing\x18\x0f \x01(\x08\x12\x15\n\rmax_in_flight\x18\x10 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x11 \x01(\r\"\x89\x01\n\x08HFConfig\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04int8\x18\x03 \x01(\x08\x12\x11\n\tlora_rank\x18\x04 \x01(\r\x12\x12\n\nlora_alpha\x18\x05 \x01(\x01\x12\x14\n\x0clora_targets\x18\x06 \x03(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t\"\x89\x01\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x66ree_memory\x18\x05 \x01(\x04\x12\x18\n\x10software_version\x18\x06 \x01(\t\"\x92\x03\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12(\n\x05model\x18\x06 \x01(\x0b\x32\x19.ravn.control.ModelConfig\x12(\n\x05train\x18\x07 \x01(\x0b\x32\x19.ravn.control.TrainConfig\x12\x19\n\x11upstream_endpoint\x18\x08 \x01(\t\x12\x1b\n\x13\x64ownstream_endpoint\x18\t \x01(\t\x12\x15\n\rupstream_peer\x18\n \x01(\t\x12\x17\n\x0f\x64ownstream_peer\x18\x0b \x01(\t\x12\"\n\x02hf\x18\x0c \x01(\x0b\x32\x16.ravn.control.HFConfig\x12\x17\n\x0frestore_version\x18\r \x01(\x04\x12\x15\n\rdial_upstream\x18\x0e \x01(\x08\x12\x19\n\x11\x61\x63\x63\x65pt_downstream\x18\x0f \x01(\x08\".\n\x05Start\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\"\x0e\n\x0c\x43ollectState\"\x0e\n\x0cStopTraining\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xf9\x01\n\x07\x43ommand\x12*\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x18.ravn.control.AssignmentH\x00\x12$\n\x05start\x18\x02 \x01(\x0b\x32\x13.ravn.control.StartH\x00\x12\x33\n\rcollect_state\x18\x03 \x01(\x0b\x32\x1a.ravn.control.CollectStateH\x00\x12*\n\x08shutdown\x18\x04 \x01(\x0b\x32\x16.ravn.control.ShutdownH\x00\x12\x33\n\rstop_training\x18\x05 \x01(\x0b\x32\x1a.ravn.control.StopTrainingH\x00\x42\x06\n\x04\x62ody\"\xc2\x02\n\nStageStats\x12\x1d\n\x15\x66orward_micro_batches\x18\x01 \x01(\x04\x12\x1e\n\x16\x62\x61\x63kward_micro_batches\x18\x02 \x01(\x04\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x0f\n\x07refused\x18\x07 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\x04\x12\x18\n\x10staleness_counts\x18\t \x03(\x04\x12\x14\n\x0cidle_seconds\x18\n \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x0b \x01(\x01\x12\x18\n\x10stash_bytes_peak\x18\x0c \x01(\x04\x12\x16\n\x0ein_flight_peak\x18\r \x01(\x04\"I\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"8\n\nEvalResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\xca\x01\n\x0cStatusReport\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ravn.control.StageStats\x12\'\n\x05steps\x18\x04 \x03(\x0b\x32\x18.ravn.control.StepResult\x12\'\n\x05\x65vals\x18\x05 \x03(\x0b\x32\x18.ravn.control.EvalResult\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\r\n\x0bReportReply\">\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.ravn.wire.Tensor\"\xd1\x01\n\nStateChunk\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12,\n\toptimizer\x18\x07 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x10\n\x08periodic\x18\x08 \x01(\x08\"D\n\x11\x46\x65tchStateRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05names\x18\x03 \x03(\t\"\x1e\n\x0bUploadReply\x12\x0f\n\x07tensors\x18\x01 \x01(\x04\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1d\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"#\n\x0f\x44ialBackRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\"2\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\"\n\x0bStatusReply\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xd0\x03\n\x07\x43ontrol\x12:\n\x04Join\x12\x19.ravn.control.JoinRequest\x1a\x15.ravn.control.Command0\x01\x12?\n\x06Report\x12\x1a.ravn.control.StatusReport\x1a\x19.ravn.control.ReportReply\x12<\n\x0bUploadState\x12\x10.ravn.wire.Frame\x1a\x19.ravn.control.UploadReply(\x01\x12\x41\n\nFetchState\x12\x1f.ravn.control.FetchStateRequest\x1a\x10.ravn.wire.Frame0\x01\x12\x46\n\x08\x44ialBack\x12\x1d.ravn.control.DialBackRequest\x1a\x1b.ravn.control.DialBackReply\x12@\n\x06Status\x12\x1b.ravn.control.StatusRequest\x1a\x19.ravn.control.StatusReply\x12=\n\x05Probe\x12\x1a.ravn.control.ProbeRequest\x1a\x18.ravn.control.ProbeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x0cravn.control\x1a\nwire.proto\"t\n\x0bModelConfig\x12\x10\n\x08n_layers\x18\x01 \x01(\r\x12\x0f\n\x07\x64_model\x18\x02 \x01(\r\x12\x0f\n\x07n_heads\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\x98\x03\n\x0bTrainConfig\x12\x15\n\rmicro_batches\x18\x01 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x02 \x01(\r\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x11\n\tdata_seed\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\t\x12\x12\n\neval_every\x18\x07 \x01(\r\x12\x14\n\x0c\x65val_batches\x18\x08 \x01(\r\x12\x10\n\x08schedule\x18\t \x01(\t\x12&\n\x0cwire_forward\x18\n \x01(\x0e\x32\x10.ravn.wire.Codec\x12\'\n\rwire_backward\x18\x0b \x01(\x0e\x32\x10.ravn.wire.Codec\x12\x14\n\x0cwarmup_steps\x18\x0c \x01(\x01\x12\x11\n\tgrad_clip\x18\r \x01(\x01\x12\x15\n\rmax_staleness\x18\x0e \x01(\r\x12\x17\n\x0fweight_stashing\x18\x0f \x01(\x08\x12\x15\n\rmax_in_flight\x18\x10 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x11 \x01(\r\"\x89\x01\n\x08HFConfig\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04int8\x18\x03 \x01(\x08\x12\x11\n\tlora_rank\x18\x04 \x01(\r\x12\x12\n\nlora_alpha\x18\x05 \x01(\x01\x12\x14\n\x0clora_targets\x18\x06 \x03(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t\"\x89\x01\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x66ree_memory\x18\x05 \x01(\x04\x12\x18\n\x10software_version\x18\x06 \x01(\t\"\x92\x03\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12(\n\x05model\x18\x06 \x01(\x0b\x32\x19.ravn.control.ModelConfig\x12(\n\x05train\x18\x07 \x01(\x0b\x32\x19.ravn.control.TrainConfig\x12\x19\n\x11upstream_endpoint\x18\x08 \x01(\t\x12\x1b\n\x13\x64ownstream_endpoint\x18\t \x01(\t\x12\x15\n\rupstream_peer\x18\n \x01(\t\x12\x17\n\x0f\x64ownstream_peer\x18\x0b \x01(\t\x12\"\n\x02hf\x18\x0c \x01(\x0b\x32\x16.ravn.control.HFConfig\x12\x17\n\x0frestore_version\x18\r \x01(\x04\x12\x15\n\rdial_upstream\x18\x0e \x01(\x08\x12\x19\n\x11\x61\x63\x63\x65pt_downstream\x18\x0f \x01(\x08\".\n\x05Start\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\"\"\n\x0c\x43ollectState\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\"\x0e\n\x0cStopTraining\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xf9\x01\n\x07\x43ommand\x12*\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x18.ravn.control.AssignmentH\x00\x12$\n\x05start\x18\x02 \x01(\x0b\x32\x13.ravn.control.StartH\x00\x12\x33\n\rcollect_state\x18\x03 \x01(\x0b\x32\x1a.ravn.control.CollectStateH\x00\x12*\n\x08shutdown\x18\x04 \x01(\x0b\x32\x16.ravn.control.ShutdownH\x00\x12\x33\n\rstop_training\x18\x05 \x01(\x0b\x32\x1a.ravn.control.StopTrainingH\x00\x42\x06\n\x04\x62ody\"\xc2\x02\n\nStageStats\x12\x1d\n\x15\x66orward_micro_batches\x18\x01 \x01(\x04\x12\x1e\n\x16\x62\x61\x63kward_micro_batches\x18\x02 \x01(\x04\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x0f\n\x07refused\x18\x07 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\x04\x12\x18\n\x10staleness_counts\x18\t \x03(\x04\x12\x14\n\x0cidle_seconds\x18\n \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x0b \x01(\x01\x12\x18\n\x10stash_bytes_peak\x18\x0c \x01(\x04\x12\x16\n\x0ein_flight_peak\x18\r \x01(\x04\"I\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"8\n\nEvalResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\xdb\x01\n\x0cStatusReport\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ravn.control.StageStats\x12\'\n\x05steps\x18\x04 \x03(\x0b\x32\x18.ravn.control.StepResult\x12\'\n\x05\x65vals\x18\x05 \x03(\x0b\x32\x18.ravn.control.EvalResult\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07leaving\x18\x08 \x01(\x08\"\r\n\x0bReportReply\">\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.ravn.wire.Tensor\"\xd1\x01\n\nStateChunk\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12,\n\toptimizer\x18\x07 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x10\n\x08periodic\x18\x08 \x01(\x08\"D\n\x11\x46\x65tchStateRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05names\x18\x03 \x03(\t\"\x1e\n\x0bUploadReply\x12\x0f\n\x07tensors\x18\x01 \x01(\x04\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1d\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"#\n\x0f\x44ialBackRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\"2\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\"\n\x0bStatusReply\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xd0\x03\n\x07\x43ontrol\x12:\n\x04Join\x12\x19.ravn.control.JoinRequest\x1a\x15.ravn.control.Command0\x01\x12?\n\x06Report\x12\x1a.ravn.control.StatusReport\x1a\x19.ravn.control.ReportReply\x12<\n\x0bUploadState\x12\x10.ravn.wire.Frame\x1a\x19.ravn.control.UploadReply(\x01\x12\x41\n\nFetchState\x12\x1f.ravn.control.FetchStateRequest\x1a\x10.ravn.wire.Frame0\x01\x12\x46\n\x08\x44ialBack\x12\x1d.ravn.control.DialBackRequest\x1a\x1b.ravn.control.DialBackReply\x12@\n\x06Status\x12\x1b.ravn.control.StatusRequest\x1a\x19.ravn.control.StatusReply\x12=\n\x05Probe\x12\x1a.ravn.control.ProbeRequest\x1a\x18.ravn.control.ProbeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,43 +45,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_START']._serialized_start=1257
   _globals['_START']._serialized_end=1303
   _globals['_COLLECTSTATE']._serialized_start=1305
-  _globals['_COLLECTSTATE']._serialized_end=1319
-  _globals['_STOPTRAINING']._serialized_start=1321
-  _globals['_STOPTRAINING']._serialized_end=1335
-  _globals['_SHUTDOWN']._serialized_start=1337
-  _globals['_SHUTDOWN']._serialized_end=1363
-  _globals['_COMMAND']._serialized_start=1366
-  _globals['_COMMAND']._serialized_end=1615
-  _globals['_STAGESTATS']._serialized_start=1618
-  _globals['_STAGESTATS']._serialized_end=1940
-  _globals['_STEPRESULT']._serialized_start=1942
-  _globals['_STEPRESULT']._serialized_end=2015
-  _globals['_EVALRESULT']._serialized_start=2017
-  _globals['_EVALRESULT']._serialized_end=2073
-  _globals['_STATUSREPORT']._serialized_start=2076
-  _globals['_STATUSREPORT']._serialized_end=2278
-  _globals['_REPORTREPLY']._serialized_start=2280
-  _globals['_REPORTREPLY']._serialized_end=2293
-  _globals['_NAMEDTENSOR']._serialized_start=2295
-  _globals['_NAMEDTENSOR']._serialized_end=2357
-  _globals['_STATECHUNK']._serialized_start=2360
-  _globals['_STATECHUNK']._serialized_end=2569
-  _globals['_FETCHSTATEREQUEST']._serialized_start=2571
-  _globals['_FETCHSTATEREQUEST']._serialized_end=2639
-  _globals['_UPLOADREPLY']._serialized_start=2641
-  _globals['_UPLOADREPLY']._serialized_end=2671
-  _globals['_PROBEREQUEST']._serialized_start=2673
-  _globals['_PROBEREQUEST']._serialized_end=2725
-  _globals['_PROBEREPLY']._serialized_start=2727
-  _globals['_PROBEREPLY']._serialized_end=2756
-  _globals['_DIALBACKREQUEST']._serialized_start=2758
-  _globals['_DIALBACKREQUEST']._serialized_end=2793
-  _globals['_DIALBACKREPLY']._serialized_start=2795
-  _globals['_DIALBACKREPLY']._serialized_end=2845
-  _globals['_STATUSREQUEST']._serialized_start=2847
-  _globals['_STATUSREQUEST']._serialized_end=2862
-  _globals['_STATUSREPLY']._serialized_start=2864
-  _globals['_STATUSREPLY']._serialized_end=2898
-  _globals['_CONTROL']._serialized_start=2901
-  _globals['_CONTROL']._serialized_end=3365
+  _globals['_COLLECTSTATE']._serialized_end=1339
+  _globals['_STOPTRAINING']._serialized_start=1341
+  _globals['_STOPTRAINING']._serialized_end=1355
+  _globals['_SHUTDOWN']._serialized_start=1357
+  _globals['_SHUTDOWN']._serialized_end=1383
+  _globals['_COMMAND']._serialized_start=1386
+  _globals['_COMMAND']._serialized_end=1635
+  _globals['_STAGESTATS']._serialized_start=1638
+  _globals['_STAGESTATS']._serialized_end=1960
+  _globals['_STEPRESULT']._serialized_start=1962
+  _globals['_STEPRESULT']._serialized_end=2035
+  _globals['_EVALRESULT']._serialized_start=2037
+  _globals['_EVALRESULT']._serialized_end=2093
+  _globals['_STATUSREPORT']._serialized_start=2096
+  _globals['_STATUSREPORT']._serialized_end=2315
+  _globals['_REPORTREPLY']._serialized_start=2317
+  _globals['_REPORTREPLY']._serialized_end=2330
+  _globals['_NAMEDTENSOR']._serialized_start=2332
+  _globals['_NAMEDTENSOR']._serialized_end=2394
+  _globals['_STATECHUNK']._serialized_start=2397
+  _globals['_STATECHUNK']._serialized_end=2606
+  _globals['_FETCHSTATEREQUEST']._serialized_start=2608
+  _globals['_FETCHSTATEREQUEST']._serialized_end=2676
+  _globals['_UPLOADREPLY']._serialized_start=2678
+  _globals['_UPLOADREPLY']._serialized_end=2708
+  _globals['_PROBEREQUEST']._serialized_start=2710
+  _globals['_PROBEREQUEST']._serialized_end=2762
+  _globals['_PROBEREPLY']._serialized_start=2764
+  _globals['_PROBEREPLY']._serialized_end=2793
+  _globals['_DIALBACKREQUEST']._serialized_start=2795
+  _globals['_DIALBACKREQUEST']._serialized_end=2830
+  _globals['_DIALBACKREPLY']._serialized_start=2832
+  _globals['_DIALBACKREPLY']._serialized_end=2882
+  _globals['_STATUSREQUEST']._serialized_start=2884
+  _globals['_STATUSREQUEST']._serialized_end=2899
+  _globals['_STATUSREPLY']._serialized_start=2901
+  _globals['_STATUSREPLY']._serialized_end=2935
+  _globals['_CONTROL']._serialized_start=2938
+  _globals['_CONTROL']._serialized_end=3402
 # @@protoc_insertion_point(module_scope)

@@ -138,8 +138,10 @@ class Start(_message.Message):
     def __init__(self, first_step: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class CollectState(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: bool
+    def __init__(self, checkpoint: _Optional[bool] = ...) -> None: ...
 
 class StopTraining(_message.Message):
     __slots__ = ()
@@ -218,7 +220,7 @@ class EvalResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StatusReport(_message.Message):
-    __slots__ = ("peer_id", "ready", "stats", "steps", "evals", "finished", "error")
+    __slots__ = ("peer_id", "ready", "stats", "steps", "evals", "finished", "error", "leaving")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,7 @@ class StatusReport(_message.Message):
     EVALS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     ready: bool
     stats: StageStats
@@ -233,7 +236,8 @@ class StatusReport(_message.Message):
     evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
     finished: bool
     error: str
-    def __init__(self, peer_id: _Optional[str] = ..., ready: _Optional[bool] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, peer_id: _Optional[str] = ..., ready: _Optional[bool] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()
