@@ -56,6 +56,7 @@ class PeerSettings:
     step_timeout: float = 300.0
     link_timeout: float = 30.0
     plan_timeout: float = 600.0
+    status_every: float = 10.0  # seconds between the one-line live status in the log
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     slowdown: float = 0.0  # testing: an artificially slow peer
     hf_path: str = ""
@@ -588,9 +589,14 @@ class PeerDaemon:
             log.warning("report to the coordinator failed: %s", e.details())
 
     async def _report_loop(self) -> None:
+        last_line, last = time.monotonic(), self.stats()
         while not self.stopping.is_set():
             await asyncio.sleep(self.settings.report_interval)
             await self.report()
+            if time.monotonic() - last_line >= self.settings.status_every and self.assignment is not None:
+                now = self.stats()
+                log.info("%s", status_line(self.assignment, last, now, time.monotonic() - last_line))
+                last_line, last = time.monotonic(), now
 
     async def fail(self, reason: str) -> None:
         """A fault this peer cannot repair: tell the coordinator, which decides what happens next."""
@@ -612,3 +618,17 @@ async def _until(stream, stop: asyncio.Task):
             yield nxt.result()
         except StopAsyncIteration:
             return
+
+
+def status_line(a: cpb.Assignment, then: cpb.StageStats, now: cpb.StageStats, seconds: float) -> str:
+    """The peer's one-line live status: what it holds and how fast it moves."""
+    dt = max(seconds, 1e-9)
+    mbs = (now.forward_micro_batches - then.forward_micro_batches) / dt
+    up = (now.bytes_sent - then.bytes_sent) * 8 / dt / 1e6
+    down = (now.bytes_received - then.bytes_received) * 8 / dt / 1e6
+    busy = 1 - (now.idle_seconds - then.idle_seconds) / dt
+    return (
+        f"training stage {a.stage} layers [{a.layer_start},{a.layer_end}) | weights v{now.weight_version} | "
+        f"{mbs:.1f} micro-batches/s | up {up:.1f} down {down:.1f} Mbit/s | compute busy {busy:.0%}"
+        + (f" | dropped {now.dropped}" if now.dropped else "")
+    )
