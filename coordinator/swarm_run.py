@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 
 STATUS_WINDOW_S = 10.0
+JOIN_MIN_GAIN = 0.05  # a joining peer reshuffles the swarm only for more than this predicted throughput gain
 
 
 class RunFailed(RuntimeError):
@@ -94,6 +95,9 @@ class SwarmRun:
         self._departed: set[str] = set()
         self._recovering = False
         self._leaving: set[str] = set()
+        self._joiners: list[str] = []
+        self._considered: set[str] = set()
+        self._restore_version = 0
         self.metrics_server = MetricsServer()
         self.metrics = self.metrics_server.coordinator(settings.swarm, settings.name)
         self.metrics.set_total_steps(settings.train.steps)
@@ -371,11 +375,43 @@ class SwarmRun:
         if self._stop_requested.is_set():
             raise KeyboardInterrupt
 
+    def _consider_joins(self, records: dict[str, PeerRecord]) -> None:
+        """A new peer during training: re-plan if it predicts enough throughput gain (hysteresis)."""
+        fresh = [
+            r
+            for pid, r in records.items()
+            if pid not in self.planned
+            and pid not in self.sessions
+            and pid not in self._considered
+            and r.state != "leaving"
+        ]
+        if not fresh or not self._started or self._recovering or not self.s.train.checkpoint_every:
+            return
+        current = [records[p] for p in self.planned if p in records]
+        spec = model_spec(self.s.model, self.s.train, self.s.hf)
+        try:
+            before = plan_every_peer(peer_specs(current), spec).throughput
+            after = plan_every_peer(peer_specs(current + fresh), spec).throughput
+        except InfeasiblePlanError:
+            return
+        names = ", ".join(r.peer_id for r in fresh)
+        self._considered.update(r.peer_id for r in fresh)
+        gain = after / before - 1 if before > 0 else 1.0
+        if gain > JOIN_MIN_GAIN:
+            self._joiners = [r.peer_id for r in fresh]
+            self.artifacts.log("join", peers=self._joiners, predicted_gain=gain)
+            self.fail(f"{names} joined: predicted throughput {gain:+.0%}; re-planning")
+        else:
+            self.progress.message(
+                f"{names} joined; keeping the plan (predicted gain {gain:+.0%} <= {JOIN_MIN_GAIN:.0%}): standby"
+            )
+
     async def _watch_membership(self) -> None:
-        """Planned peers whose records expire or who leave: their blocks become uncovered."""
+        """Planned peers whose records expire or who leave: their blocks become uncovered; new ones may join."""
         while True:
             await asyncio.sleep(self.membership.s.heartbeat)
             records = {r.peer_id: r for r in await self.membership.peers(include_leaving=True)}
+            self._consider_joins(records)
             for peer_id, (a, b, _) in list(self.planned.items()):
                 record = records.get(peer_id)
                 if record is not None and record.state != "leaving":
@@ -447,27 +483,32 @@ class SwarmRun:
         """Re-plan the surviving peers and restart them from the latest complete checkpoint."""
         t0 = time.monotonic()
         self._recovering = True
+        self._failure = None  # handled here; waits below must not trip over it
+        self._failed.clear()
         self.progress.message(f"recovering: {reason}")
         try:
             leavers = self._leaving & set(self.sessions)
-            if leavers and not (self._lost & leavers):  # a graceful leave: hand the block over, lose nothing
+            joiners, self._joiners = self._joiners, []
+            if (leavers and not (self._lost & leavers)) or joiners:  # hand blocks over at a step: lose nothing
                 if await self._checkpoint_now() is None:
-                    self.progress.message("could not checkpoint before the leave; falling back to the last checkpoint")
+                    self.progress.message("could not checkpoint now; falling back to the last checkpoint")
                 for peer_id in leavers:
                     self.sessions[peer_id].commands.put_nowait(
                         cpb.Command(shutdown=cpb.Shutdown(reason="leave granted"))
                     )
                     self._lost.add(peer_id)
-            gone = await self._await_departures()  # empty: every peer is alive, a link broke: restart them all
+            # nobody gone: a join, or a link broke while every peer lives: restart them all
+            gone = await self._await_departures() if not joiners or leavers else set()
             for peer_id in gone:
                 session = self.sessions.pop(peer_id)
                 session.commands.put_nowait(None)
                 self.planned.pop(peer_id, None)
             alive = {r.peer_id: r for r in await self.membership.peers() if r.state != "leaving"}
             survivors = [alive[p] for p in sorted(self.sessions) if p in alive]
+            survivors += [alive[p] for p in joiners if p in alive and p not in self.sessions]
             if not survivors:
                 raise RunFailed(f"{reason}; no peer is left to continue")
-            version = self.store.latest_complete() or 0
+            version = self._restore_version = self.store.latest_complete() or 0
             await self._publish(self._plan_for(survivors))
             self._lost -= gone
             self._departed -= gone
@@ -478,9 +519,11 @@ class SwarmRun:
             for peer_id, session in self.sessions.items():
                 session.ready = False
                 assignment = self._assignment(peer_id)
-                assignment.restore_version = version
                 session.stage = assignment.stage
                 session.commands.put_nowait(cpb.Command(assign=assignment))
+            if joiners:  # they dial in when they see the new plan, and get their assignment then
+                self._joined.clear()
+                await self._wait(self._joined, self.s.join_timeout, "the joining peers to dial in")
             lost_steps = max(0, self._last_step + 1 - version)
             self.progress.message(
                 f"recovered without {', '.join(sorted(gone)) or 'losing a peer'}: plan "
@@ -520,6 +563,7 @@ class SwarmRun:
             upstream_peer=up.peer_id if up else "",
             downstream_peer=down.peer_id if down else "",
             hf=hf_to_pb(self.s.hf) if self.s.hf else None,
+            restore_version=self._restore_version,
             dial_upstream=up is not None and not stages[index].peers[0].reachable,
             accept_downstream=down is not None and not down.reachable,
         )
