@@ -1,0 +1,475 @@
+"""Swarm membership proof on every gRPC call: a join token, HMAC-signed metadata, replay protection.
+
+Peers are strangers on the internet and every peer id is public (it is in the plan), so "the Hello
+names my upstream neighbour" proves nothing. Every call therefore carries a proof that its sender holds
+the swarm's *join token* (a 256-bit secret printed in the join command):
+
+    ravn-peer  = the caller's peer id          ravn-aud   = whom the proof is for (peer id, "coordinator")
+    ravn-ts    = unix time in milliseconds     ravn-nonce = 16 random bytes, base64url
+    ravn-mac   = base64url(HMAC-SHA256(K, "ravn-auth-v1" | method | aud | peer | ts | nonce))
+
+``K`` is derived from the token (never the token itself), so a proof reveals nothing usable about it.
+The server checks the fields, the clock window, the MAC (constant time), then the nonce against a
+bounded cache: a captured proof cannot be replayed to the same server (nonce), to another method
+(method in the MAC), to another server (audience in the MAC) or later (timestamp window).
+
+What this does not do: tell members apart. Everyone holding the token can claim any peer id, so the
+peer id in a proof is a claim for logs and limits, not an identity (see docs/security.md). Without TLS
+an eavesdropper learns nothing about the token but can read the traffic; an active man in the middle
+can hijack an authenticated stream. Use :mod:`swarm.tls` against that.
+
+Client side: grpc only attaches call credentials on secure channels, so the proof is added by grpc.aio
+client interceptors (:func:`client_interceptors`), which work on insecure and TLS channels alike and
+for all four call shapes, including the bidirectional ``Stage.Link`` stream.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+TOKEN_PREFIX = "ravn1-"
+TOKEN_BYTES = 32
+DEFAULT_SKEW_S = 300.0  # home PCs' clocks drift; NTP keeps them well inside this
+DEFAULT_NONCE_CACHE = 65536  # proofs remembered within the window (about 2 MiB at most)
+NONCE_BYTES = 16
+
+META_PEER = "ravn-peer"
+META_AUDIENCE = "ravn-aud"
+META_TS = "ravn-ts"
+META_NONCE = "ravn-nonce"
+META_MAC = "ravn-mac"
+META_KEYS = (META_PEER, META_AUDIENCE, META_TS, META_NONCE, META_MAC)
+COORDINATOR_AUDIENCE = "coordinator"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the PeerId pattern of swarm.dht_schema
+_B64_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+_TS_RE = re.compile(r"^[0-9]{1,15}$")
+_MAC_CONTEXT = b"ravn-auth-v1"
+_KEY_CONTEXT = b"ravn/grpc-auth/v1 key"
+_FINGERPRINT_CONTEXT = b"ravn/grpc-auth/v1 fingerprint"
+
+
+class AuthError(Exception):
+    """A call whose proof is missing or invalid; the text is safe to send back to the caller."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    if not _B64_RE.fullmatch(text):
+        raise ValueError("not base64url")
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The join token.
+
+
+def generate_token() -> str:
+    """A fresh join token: ``ravn1-`` and 256 random bits in base64url (shell- and URL-safe)."""
+    return TOKEN_PREFIX + _b64(secrets.token_bytes(TOKEN_BYTES))
+
+
+def parse_token(text: str) -> bytes:
+    """The secret bytes of a token printed by :func:`generate_token`; ValueError says what is wrong.
+
+    Only generated tokens are accepted: a passphrase chosen by a person would be guessable offline
+    from any captured proof.
+    """
+    if not isinstance(text, str):
+        raise ValueError("join token must be a string")
+    text = text.strip()
+    if not text.startswith(TOKEN_PREFIX):
+        raise ValueError(f"join token must start with {TOKEN_PREFIX!r} (copy it from the coordinator's join command)")
+    try:
+        secret = _unb64(text[len(TOKEN_PREFIX) :])
+    except (ValueError, binascii.Error):
+        raise ValueError("join token is not valid base64url; was it cut while copying?") from None
+    if len(secret) != TOKEN_BYTES:
+        raise ValueError(f"join token holds {len(secret)} bytes, expected {TOKEN_BYTES}; was it cut while copying?")
+    return secret
+
+
+@dataclass(frozen=True)
+class SwarmKey:
+    """The MAC key derived from a join token; ``fingerprint`` names the token in logs without revealing it."""
+
+    key: bytes
+    fingerprint: str
+
+    @classmethod
+    def from_token(cls, token: str) -> SwarmKey:
+        secret = parse_token(token)
+        key = hmac.new(secret, _KEY_CONTEXT, hashlib.sha256).digest()
+        fp = hmac.new(secret, _FINGERPRINT_CONTEXT, hashlib.sha256).hexdigest()[:12]
+        return cls(key=key, fingerprint=fp)
+
+    def mac(self, method: str, audience: str, peer_id: str, ts_ms: int, nonce: str) -> str:
+        fields = (
+            _MAC_CONTEXT,
+            method.encode(),
+            audience.encode(),
+            peer_id.encode(),
+            str(ts_ms).encode(),
+            nonce.encode(),
+        )
+        return _b64(hmac.new(self.key, b"\n".join(fields), hashlib.sha256).digest())
+
+    def __repr__(self) -> str:  # never print the key
+        return f"SwarmKey(fingerprint={self.fingerprint!r})"
+
+
+def _check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise ValueError(f"{kind} {value!r} must be 1-128 characters of [A-Za-z0-9._-], starting alphanumeric")
+    return value
+
+
+def _method_str(method: str | bytes) -> str:
+    return method.decode("ascii", "replace") if isinstance(method, bytes) else method
+
+
+def proof_metadata(
+    key: SwarmKey,
+    peer_id: str,
+    audience: str,
+    method: str | bytes,
+    *,
+    now: float | None = None,
+    nonce: str | None = None,
+) -> tuple[tuple[str, str], ...]:
+    """The metadata that proves one call (``method`` is the full gRPC path, ``/pkg.Service/Method``)."""
+    _check_name("peer id", peer_id)
+    _check_name("audience", audience)
+    ts_ms = int((time.time() if now is None else now) * 1000)
+    nonce = nonce or _b64(secrets.token_bytes(NONCE_BYTES))
+    mac = key.mac(_method_str(method), audience, peer_id, ts_ms, nonce)
+    return (
+        (META_PEER, peer_id),
+        (META_AUDIENCE, audience),
+        (META_TS, str(ts_ms)),
+        (META_NONCE, nonce),
+        (META_MAC, mac),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Server side: verification.
+
+
+class NonceCache:
+    """Nonces of accepted proofs, kept as long as a replay could still pass the clock window.
+
+    A nonce accepted at local time ``t`` can only be replayed while its timestamp is in the window,
+    i.e. until ``t + 2 * skew``; it is kept exactly that long. The cache is bounded: when full, the
+    oldest entry is evicted and its timestamp becomes a *floor*: proofs stamped at or before the floor
+    are refused, so an evicted nonce can never be replayed. Under a flood of valid proofs (only token
+    holders can make them: the MAC is checked first) honest callers at worst retry with a fresh stamp.
+    """
+
+    def __init__(self, skew_s: float, capacity: int = DEFAULT_NONCE_CACHE) -> None:
+        if capacity < 1:
+            raise ValueError("nonce cache capacity must be at least 1")
+        self.hold_s = 2.0 * skew_s
+        self.capacity = capacity
+        self.floor_ms = -1
+        self._seen: OrderedDict[str, tuple[float, int]] = OrderedDict()  # nonce -> (expiry, ts_ms)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def add(self, nonce: str, ts_ms: int, now: float) -> str | None:
+        """Record ``nonce``; returns why it must be refused, or None when it is fresh."""
+        while self._seen:
+            first = next(iter(self._seen.values()))
+            if first[0] > now:
+                break
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return "replayed proof: this nonce was already used"
+        if ts_ms <= self.floor_ms:
+            return "proof is older than the replay cache can vouch for (server under load); retry"
+        if len(self._seen) >= self.capacity:
+            _, (_, evicted_ts) = self._seen.popitem(last=False)
+            self.floor_ms = max(self.floor_ms, evicted_ts)
+            if ts_ms <= self.floor_ms:
+                return "proof is older than the replay cache can vouch for (server under load); retry"
+        self._seen[nonce] = (now + self.hold_s, ts_ms)
+        return None
+
+
+def _metadata_dict(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    """Our auth keys from call metadata; a key given twice is refused (which one would count?)."""
+    found: dict[str, str] = {}
+    for item in metadata or ():
+        k, v = item[0], item[1]
+        if k not in META_KEYS:
+            continue
+        if k in found:
+            raise AuthError(f"auth metadata {k!r} appears more than once")
+        if isinstance(v, bytes):
+            raise AuthError(f"auth metadata {k!r} must be text")
+        found[k] = v
+    return found
+
+
+class Verifier:
+    """Checks proofs for one server. ``audiences``: names this server answers to (None: any)."""
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        audiences: Iterable[str] | None = None,
+        skew_s: float = DEFAULT_SKEW_S,
+        nonce_capacity: int = DEFAULT_NONCE_CACHE,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.key = SwarmKey.from_token(token)
+        self.audiences = None if audiences is None else frozenset(_check_name("audience", a) for a in audiences)
+        self.skew_s = skew_s
+        self.clock = clock
+        self.nonces = NonceCache(skew_s, nonce_capacity)
+        self.refused = 0
+
+    def verify(self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str | bytes) -> str:
+        """The caller's (claimed) peer id if the proof is valid; AuthError with the reason otherwise."""
+        try:
+            return self._verify(_metadata_dict(metadata), _method_str(method))
+        except AuthError:
+            self.refused += 1
+            raise
+
+    def _verify(self, meta: dict[str, str], method: str) -> str:
+        missing = [k for k in META_KEYS if k not in meta]
+        if len(missing) == len(META_KEYS):
+            raise AuthError(
+                "this swarm requires a join token: the call carried no proof "
+                "(start the peer with the --swarm-token from the coordinator's join command)"
+            )
+        if missing:
+            raise AuthError(f"incomplete swarm auth proof: missing {', '.join(missing)}")
+        peer, audience, ts_text, nonce, mac = (meta[k] for k in META_KEYS)
+        if not _NAME_RE.fullmatch(peer) or not _NAME_RE.fullmatch(audience):
+            raise AuthError("malformed peer id or audience in the auth proof")
+        if not _TS_RE.fullmatch(ts_text) or not _B64_RE.fullmatch(nonce) or not 16 <= len(nonce) <= 64:
+            raise AuthError("malformed timestamp or nonce in the auth proof")
+        if not _B64_RE.fullmatch(mac) or len(mac) != 43:
+            raise AuthError("malformed MAC in the auth proof")
+        now = self.clock()
+        ts_ms = int(ts_text)
+        offset = ts_ms / 1000.0 - now
+        if abs(offset) > self.skew_s:
+            raise AuthError(
+                f"stale proof: its timestamp is {offset:+.0f} s from this server's clock "
+                f"(allowed +-{self.skew_s:.0f} s); check both clocks (NTP)"
+            )
+        if not hmac.compare_digest(self.key.mac(method, audience, peer, ts_ms, nonce), mac):
+            raise AuthError(
+                "invalid swarm auth proof: wrong join token (this server's token is "
+                f"{self.key.fingerprint}) or a forged or altered call"
+            )
+        if self.audiences is not None and audience not in self.audiences:
+            raise AuthError(f"proof is addressed to {audience!r}, not to this server")
+        reason = self.nonces.add(nonce, ts_ms, now)
+        if reason is not None:
+            raise AuthError(reason)
+        return peer
+
+
+def peer_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The ``ravn-peer`` value of call metadata. Verified only when the server runs :class:`ServerAuth`."""
+    for item in metadata or ():
+        if item[0] == META_PEER and isinstance(item[1], str):
+            return item[1]
+    return None
+
+
+def authenticated_peer(context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's peer id as its proof states it (meaningful only behind :class:`ServerAuth`)."""
+    return peer_from_metadata(context.invocation_metadata())
+
+
+def deny_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that ends the call with ``code`` without reading it.
+
+    Requests are left as raw bytes (no deserializer): a refused caller's payload is never parsed.
+    """
+
+    async def deny(_request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, details)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny, response_serializer=handler.response_serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny, response_serializer=handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(deny, response_serializer=handler.response_serializer)
+
+
+class ServerAuth(grpc.aio.ServerInterceptor):
+    """Refuses every call without a valid proof with UNAUTHENTICATED; the handler never runs.
+
+    Install it first: ``grpc.aio.server(interceptors=[ServerAuth(verifier), ...])``. ``exempt`` names
+    full method paths served without proof (none by default).
+    """
+
+    def __init__(self, verifier: Verifier, *, exempt: Iterable[str] = ()) -> None:
+        self.verifier = verifier
+        self.exempt = frozenset(exempt)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method in self.exempt:
+            return handler
+        try:
+            self.verifier.verify(handler_call_details.invocation_metadata, handler_call_details.method)
+        except AuthError as e:
+            return deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED, str(e))
+        return handler
+
+
+# ---------------------------------------------------------------------------------------------------
+# Client side.
+
+
+class ClientAuth:
+    """Makes a fresh proof for every call of one channel: one instance per (token, own id, server).
+
+    Use :meth:`interceptors` (or :func:`client_interceptors`):
+    ``grpc.aio.insecure_channel(target, interceptors=ClientAuth(token, "peer-1", "peer-2").interceptors())``.
+    grpc.aio files each interceptor object under the *first* call shape it implements (an if/elif on
+    the four ABCs), so one object implementing all four would only ever see unary-unary calls; hence
+    four small objects. The stream-stream calls they return keep ``write``/``read``/``done_writing``.
+    """
+
+    def __init__(
+        self, token: str | SwarmKey, peer_id: str, audience: str, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.key = token if isinstance(token, SwarmKey) else SwarmKey.from_token(token)
+        self.peer_id = _check_name("peer id", peer_id)
+        self.audience = _check_name("audience", audience)
+        self.clock = clock
+
+    def details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        """``details`` with this call's proof in its metadata (any stale proof keys replaced)."""
+        proof = proof_metadata(self.key, self.peer_id, self.audience, details.method, now=self.clock())
+        kept = [(k, v) for k, v in (details.metadata or ()) if k not in META_KEYS]
+        return details._replace(metadata=grpc.aio.Metadata(*kept, *proof))
+
+    def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
+        return [_UnaryUnary(self), _UnaryStream(self), _StreamUnary(self), _StreamStream(self)]
+
+
+def client_interceptors(
+    token: str | SwarmKey, peer_id: str, audience: str, clock: Callable[[], float] = time.time
+) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that add a proof to every call of a channel to ``audience``."""
+    return ClientAuth(token, peer_id, audience, clock).interceptors()
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, prover: ClientAuth) -> None:
+        self.prover = prover
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self.prover.details(client_call_details), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, prover: ClientAuth) -> None:
+        self.prover = prover
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self.prover.details(client_call_details), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, prover: ClientAuth) -> None:
+        self.prover = prover
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self.prover.details(client_call_details), request_iterator)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, prover: ClientAuth) -> None:
+        self.prover = prover
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self.prover.details(client_call_details), request_iterator)
+
+
+class SyncClientAuth(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """The same proof for the synchronous API (``ravn status``): ``grpc.intercept_channel(ch, it)``.
+
+    Unlike grpc.aio, the synchronous API offers every call shape to every interceptor, so one object
+    serves them all.
+    """
+
+    def __init__(self, prover: ClientAuth) -> None:
+        self.prover = prover
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        proof = proof_metadata(
+            self.prover.key, self.prover.peer_id, self.prover.audience, details.method, now=self.prover.clock()
+        )
+        kept = [(k, v) for k, v in (details.metadata or ()) if k not in META_KEYS]
+        return _SyncCallDetails(
+            details.method,
+            details.timeout,
+            (*kept, *proof),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+class _SyncCallDetails(
+    collections.namedtuple(
+        "_SyncCallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    """grpc.ClientCallDetails is an empty ABC; the synchronous API reads these six fields."""
+
+
+def sync_channel(channel: grpc.Channel, token: str | SwarmKey, peer_id: str, audience: str) -> grpc.Channel:
+    """``channel`` (synchronous API) with a fresh proof on every call."""
+    return grpc.intercept_channel(channel, SyncClientAuth(ClientAuth(token, peer_id, audience)))
