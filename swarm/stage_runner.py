@@ -15,6 +15,7 @@ import torch
 from swarm.config import ModelConfig, TrainConfig
 from swarm.model import StageModel
 
+MAX_ABS_ACTIVATION = 1e6  # pre-norm hidden states of a sane model stay far below this
 IGNORE_INDEX = -100  # targets that carry no loss (e.g. prompt tokens when fine-tuning on completions)
 
 
@@ -48,6 +49,7 @@ class StageMetrics:
     staleness: dict[int, int] = field(default_factory=dict)
     stash_bytes_peak: int = 0
     in_flight_peak: int = 0
+    skipped_steps: int = 0
 
     def staleness_counts(self) -> list[int]:
         return [self.staleness.get(i, 0) for i in range(max(self.staleness, default=-1) + 1)]
@@ -114,6 +116,13 @@ class StageRunner:
             raise StageInputError(f"hidden states must be floating point, got {x.dtype}")
         elif not bool(torch.isfinite(x).all()):
             raise StageInputError("hidden states contain NaN or Inf")
+        elif x.numel() and float(x.abs().max()) > MAX_ABS_ACTIVATION:
+            raise StageInputError(f"hidden states beyond ±{MAX_ABS_ACTIVATION:g}: a broken or hostile sender")
+        if x.shape[0] > self.train_cfg.micro_batch_size:
+            raise StageInputError(
+                f"micro-batch of {x.shape[0]} sequences exceeds the run's micro-batch size "
+                f"{self.train_cfg.micro_batch_size}"
+            )
         if self.is_last:
             if targets is None:
                 raise StageInputError("the last stage needs targets with every micro-batch")
@@ -154,6 +163,10 @@ class StageRunner:
                 self.metrics.in_flight_peak = max(self.metrics.in_flight_peak, len(self._pending))
                 return ForwardResult(output=out.detach())
             loss = self.model.loss_sum(out, targets.to(self.device).long())
+            if not bool(torch.isfinite(loss)):
+                raise StageInputError(
+                    f"micro-batch {mb_id} gives a non-finite loss; refused before it reaches the weights"
+                )
             tokens = _count(targets)
             # each micro-batch's mean token loss, averaged over the step's K micro-batches
             (loss / max(tokens * self.train_cfg.micro_batches, 1)).backward()
@@ -249,7 +262,12 @@ class StageRunner:
         """Apply the accumulated gradients; the weight version counts these steps."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.train_cfg.lr_at(self.version)
-        if self.train_cfg.grad_clip > 0:
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+            self.metrics.skipped_steps += 1  # never write NaN into the weights: drop this step's gradients
+            self.optimizer.zero_grad(set_to_none=True)
+            grads = []
+        if self.train_cfg.grad_clip > 0 and grads:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.train_cfg.grad_clip)
         waiting = [mb for mb, (_, _, v) in self._pending.items() if v == self.version]
         if waiting and self.train_cfg.weight_stashing:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from swarm.pb import wire_pb2 as pb
 from swarm.wire import MAX_FRAME_BYTES, Reassembler, WireError, split_packet
@@ -23,6 +24,7 @@ from swarm.wire import MAX_FRAME_BYTES, Reassembler, WireError, split_packet
 log = logging.getLogger(__name__)
 
 MAX_GRPC_MESSAGE = 4 << 20
+MAX_HELLO_BYTES = 4096
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE),
@@ -89,7 +91,10 @@ class Link:
 
     async def _read_one(self, stream: FrameStream) -> pb.Packet | None:
         while True:
-            frame = await stream.read()
+            try:
+                frame = await stream.read()
+            except DecodeError as e:  # a message that is not even a Frame
+                raise WireError(f"undecodable frame: {e}") from None
             if frame is grpc.aio.EOF or frame is None:
                 return None
             self.bytes_received += frame.ByteSize()
@@ -114,8 +119,10 @@ class Link:
                 if packet is None:
                     return
                 if packet.WhichOneof("body") == "refusal":
-                    raise LinkClosed(f"{self.name}: the other side refused micro-batch "
-                                     f"{packet.refusal.mb_id}: {packet.refusal.reason}")
+                    raise LinkClosed(
+                        f"{self.name}: the other side refused micro-batch "
+                        f"{packet.refusal.mb_id}: {packet.refusal.reason[:200]!r}"
+                    )
                 await handler(self, packet)
         finally:
             writer.cancel()
@@ -127,8 +134,15 @@ def hello_packet(peer_id: str, stage: int, run_id: str, protocol_version: int) -
 
 
 async def read_hello(stream: FrameStream, link: Link, timeout: float) -> pb.Hello:
-    """The first packet of every link must be a Hello; anything else is a protocol error."""
-    packet = await asyncio.wait_for(link._read_one(stream), timeout)
+    """The first packet of every link must be a Hello; anything else is a protocol error.
+
+    Until the sender is known, a packet may be at most ``MAX_HELLO_BYTES``: a stranger cannot make us buffer.
+    """
+    normal, link._reasm = link._reasm, Reassembler(max_packet_bytes=MAX_HELLO_BYTES)
+    try:
+        packet = await asyncio.wait_for(link._read_one(stream), timeout)
+    finally:
+        link._reasm = normal
     if packet is None:
         raise LinkClosed(f"{link.name}: stream ended before the hello")
     if packet.WhichOneof("body") != "hello":

@@ -141,8 +141,10 @@ def test_wrong_protocol_and_strangers_are_refused() -> None:
         await expect_refusal(target, frames(stranger), grpc.StatusCode.PERMISSION_DENIED, "not this stage's upstream")
         other_run = hello_packet("upstream", 0, "another-run", PROTOCOL_VERSION)
         await expect_refusal(target, frames(other_run), grpc.StatusCode.FAILED_PRECONDITION, "is not this peer's run")
-        not_hello = activations(tensor_to_pb(good_hidden(), "fp32"))
-        await expect_refusal(target, frames(not_hello), grpc.StatusCode.INVALID_ARGUMENT, "expected a hello")
+        big_first = activations(tensor_to_pb(good_hidden(), "fp32"))
+        await expect_refusal(target, frames(big_first), grpc.StatusCode.INVALID_ARGUMENT, "exceeds the limit of 4096")
+        small_first = pb.Packet(gradients=pb.Gradients(mb=pb.MicroBatch(id=1)))
+        await expect_refusal(target, frames(small_first), grpc.StatusCode.INVALID_ARGUMENT, "expected a hello")
         await expect_served(target, 7)
 
     asyncio.run(with_peer(scenario))
