@@ -103,7 +103,8 @@ def run_swarm(
         text=True,
     )
     reader = _Reader(coord)
-    join = reader.wait_for(r"ravn-peer join (.*)$", coord, 120).group(1).split()
+    m = reader.wait_for(r"RAVN_SWARM_TOKEN=(\S+) ravn-peer join (.*)$", coord, 120)
+    join = [*m.group(2).split(), "--swarm-token", m.group(1)]
     procs = []
     for i, host in enumerate(peers):
         log = (runs_dir / f"{name}-p{i}.log").open("w")

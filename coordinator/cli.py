@@ -14,6 +14,7 @@ from hivemind.p2p import P2PDaemonError
 from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, with_train_options
 from coordinator.swarm_run import RunSettings, SwarmRun
+from swarm.auth import load_or_create_token, parse_token
 from swarm.config_file import enable_config, remove_join_file, write_join_file
 from swarm.logs import setup_logging
 
@@ -54,6 +55,10 @@ def serve(
             "removed at start and exit. Peers can use it as `ravn-peer join --config FILE`."
         ),
     ] = None,
+    swarm_token: Annotated[
+        str,
+        typer.Option(help="The swarm's join token (default: kept in RUNS_DIR/SWARM.token, created if missing)."),
+    ] = "",
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
     ] = None,
@@ -67,8 +72,14 @@ def serve(
             "listening on all interfaces: also pass --announce with the address peers can reach",
             param_hint="--announce",
         )
+    try:
+        token = swarm_token or load_or_create_token(options.runs_dir / f"{swarm}.token")
+        parse_token(token)
+    except (ValueError, OSError) as e:
+        raise typer.BadParameter(str(e), param_hint="--swarm-token") from None
     name = options.run_name()
     settings = RunSettings(
+        swarm_token=token,
         name=name,
         run_dir=options.runs_dir / name,
         model=options.model_config(),
@@ -112,7 +123,10 @@ def serve(
 def join_command(run: SwarmRun, membership: Membership) -> str:
     peers = " ".join(f"--initial-peers {m}" for m in membership.maddrs())
     extra = " --host 0.0.0.0 --announce PEER-ADDRESS" if run.s.host in ("0.0.0.0", "::") else ""
-    return f"ravn-peer join --swarm {membership.s.swarm} {peers} --coordinator-key {membership.public_key}{extra}"
+    return (
+        f"RAVN_SWARM_TOKEN={run.s.swarm_token} ravn-peer join --swarm {membership.s.swarm} {peers} "
+        f"--coordinator-key {membership.public_key}{extra}"
+    )
 
 
 async def _serve(settings: RunSettings, membership: Membership, join_file: Path | None = None) -> int:
@@ -131,6 +145,7 @@ async def _serve(settings: RunSettings, membership: Membership, join_file: Path 
                 swarm=settings.swarm,
                 initial_peers=membership.maddrs(),
                 coordinator_key=membership.public_key,
+                swarm_token=settings.swarm_token,
                 comment=f"swarm {settings.swarm}, coordinator key {membership.fingerprint}",
             )
         except OSError as e:

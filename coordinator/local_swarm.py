@@ -31,7 +31,9 @@ class PeerProcess:
     log_path: Path
 
 
-def spawn_peer(name: str, join_args: list[str], log_dir: Path, threads: int, device: str) -> PeerProcess:
+def spawn_peer(
+    name: str, join_args: list[str], log_dir: Path, threads: int, device: str, token: str = ""
+) -> PeerProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     cmd = [
@@ -54,6 +56,7 @@ def spawn_peer(name: str, join_args: list[str], log_dir: Path, threads: int, dev
         "OMP_NUM_THREADS": str(max(threads, 1)),
         "THP_MEM_ALLOC_ENABLE": "1",
         DIE_WITH_PARENT_ENV: str(os.getpid()),
+        "RAVN_SWARM_TOKEN": token,
     }
     proc = subprocess.Popen(
         cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
@@ -85,9 +88,13 @@ async def run_local(
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
     port = await run.start_server()
+    token_file = settings.run_dir / "swarm.token"
+    token_file.write_text(settings.swarm_token + "\n")
+    token_file.chmod(0o600)
     run.progress.message(
         f"coordinator on 127.0.0.1:{port}, swarm {settings.swarm!r}; run {settings.name} in {settings.run_dir}"
     )
+    run.progress.message(f"watch it: RAVN_SWARM_TOKEN=$(cat {token_file}) ravn status --coordinator 127.0.0.1:{port}")
     join_args = ["--swarm", settings.swarm, "--coordinator-key", membership.public_key, "--heartbeat", str(heartbeat)]
     for maddr in membership.maddrs():
         join_args += ["--initial-peers", maddr]
@@ -110,7 +117,11 @@ async def run_local(
     try:
         for i in range(settings.peers):
             extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
-            peers.append(spawn_peer(f"peer-{i}", join_args + extra, settings.run_dir / "logs", threads, device))
+            peers.append(
+                spawn_peer(
+                    f"peer-{i}", join_args + extra, settings.run_dir / "logs", threads, device, settings.swarm_token
+                )
+            )
         run.progress.message(f"started {len(peers)} peers; logs in {settings.run_dir / 'logs'}")
         watcher = asyncio.create_task(_watch(peers, run))
         code = await run.run()

@@ -19,6 +19,7 @@ from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, with_train_options
 from coordinator.status_view import SwarmStatus, exit_code, render, renderable, status_json, verdict
 from coordinator.swarm_run import RunSettings
+from swarm.auth import COORDINATOR_AUDIENCE, generate_token, sync_channel
 from swarm.config_file import enable_config
 from swarm.logs import setup_logging
 from swarm.multiaddrs import multiaddr_to_grpc_target
@@ -68,6 +69,7 @@ def local(
         swarm=swarm,
         hf=options.hf_config(),
         metrics_port=metrics_port,
+        swarm_token=generate_token(),  # one per run; peers get it in their environment
     )
     threads = threads or max(1, (os.cpu_count() or 1) // peers)
     membership = Membership(MembershipSettings(swarm=swarm, key_file=run_dir / "coordinator.pem", heartbeat=heartbeat))
@@ -92,11 +94,12 @@ def status(
     watch: Annotated[bool, typer.Option(help="Redraw live until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option(min=0.2, help="Seconds between redraws with --watch.")] = 2.0,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the coordinator.")] = 5.0,
+    swarm_token: Annotated[str, typer.Option(help="The swarm's join token (or RAVN_SWARM_TOKEN).")] = "",
 ) -> None:
     """Show a swarm's health: verdict, run progress, every peer and block. Exit code 0/1/2: healthy/degraded/broken."""
     target = multiaddr_to_grpc_target(coordinator) if coordinator.startswith("/") else coordinator
     try:
-        snapshot = fetch_status(target, timeout)
+        snapshot = fetch_status(target, timeout, swarm_token)
         if json_output:
             typer.echo(json.dumps(status_json(snapshot), indent=2))
             raise typer.Exit(exit_code(verdict(snapshot)))
@@ -107,7 +110,7 @@ def status(
         with Live(renderable(snapshot), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(interval)
-                snapshot = fetch_status(target, timeout)
+                snapshot = fetch_status(target, timeout, swarm_token)
                 live.update(renderable(snapshot))
     except (grpc.RpcError, ValueError) as e:
         detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
@@ -117,8 +120,9 @@ def status(
         raise typer.Exit(0) from None
 
 
-def fetch_status(target: str, timeout: float) -> SwarmStatus:
-    with grpc.insecure_channel(target, options=GRPC_OPTIONS) as channel:
+def fetch_status(target: str, timeout: float, swarm_token: str = "") -> SwarmStatus:
+    with grpc.insecure_channel(target, options=GRPC_OPTIONS) as raw:
+        channel = sync_channel(raw, swarm_token, "operator", COORDINATOR_AUDIENCE) if swarm_token else raw
         reply = cgrpc.ControlStub(channel).Status(cpb.StatusRequest(), timeout=timeout)
     return SwarmStatus.from_dict(json.loads(reply.status_json))
 

@@ -26,6 +26,7 @@ from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
 from coordinator.progress import Progress
 from coordinator.reachability import Unarrangeable, arrange
 from coordinator.status_view import RunStatus, SwarmStatus, blocks_from_peers, eta_seconds, peer_status_from_stats
+from swarm import auth, limits
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
@@ -78,6 +79,7 @@ class RunSettings:
     hf: HFConfig | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    swarm_token: str = ""  # every call must prove it (empty: no authentication, tests only)
 
 
 class SwarmRun:
@@ -157,7 +159,7 @@ class SwarmRun:
 
     def peer_failed(self, peer_id: str, reason: str) -> None:
         """A peer process died (seen by its launcher); ignored if recovery already dealt with it."""
-        if peer_id in self.sessions:
+        if peer_id in self.sessions or not self._started:
             self._lost.add(peer_id)
             self.fail(reason)
 
@@ -265,7 +267,11 @@ class SwarmRun:
 
     # ---- the run --------------------------------------------------------------------------------
     async def start_server(self) -> int:
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        interceptors = []
+        if self.s.swarm_token:
+            verifier = auth.Verifier(self.s.swarm_token, audiences=[auth.COORDINATOR_AUDIENCE])
+            interceptors = [auth.ServerAuth(verifier), limits.ServerLimits(limits.LimitSettings(inflight_per_sender=8))]
+        self._server = grpc.aio.server(options=GRPC_OPTIONS + limits.SERVER_OPTIONS, interceptors=interceptors)
         cgrpc.add_ControlServicer_to_server(ControlService(self), self._server)
         self.port = self._server.add_insecure_port(f"{self.s.host}:{self.s.port}")
         if self.port == 0:
@@ -613,7 +619,7 @@ class SwarmRun:
         except RunFailed as e:
             if self._started and not self.uncovered:  # give the DHT time to tell who is gone
                 await asyncio.sleep(0)
-                deadline = time.monotonic() + self.membership.ttl + 2 * self.membership.s.heartbeat
+                deadline = time.monotonic() + self.membership.ttl + 3 * self.membership.s.heartbeat + 5.0
                 while not self.uncovered and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
             self.progress.message(f"run failed: {self._departures[0] if self._departures else e}")

@@ -14,6 +14,7 @@ import uvloop
 
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
+from swarm.auth import parse_token
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
@@ -37,6 +38,14 @@ def join(
             help="Multiaddr of a DHT node of the swarm (repeatable); printed by ravn-coordinator serve.",
         ),
     ] = None,
+    swarm_token: Annotated[
+        str,
+        typer.Option(
+            envvar="RAVN_SWARM_TOKEN",
+            help="The swarm's join token (printed by ravn-coordinator serve); "
+            "prefer the environment variable, which other users cannot read from the process list.",
+        ),
+    ] = "",
     coordinator_key: Annotated[
         str,
         typer.Option(
@@ -73,13 +82,18 @@ def join(
     peers = [p for item in (initial_peers or []) for p in str(item).replace(",", " ").split()]
     missing = [
         flag
-        for flag, value in (("--swarm", swarm), ("--initial-peers", peers), ("--coordinator-key", coordinator_key))
+        for flag, value in (
+            ("--swarm", swarm),
+            ("--initial-peers", peers),
+            ("--coordinator-key", coordinator_key),
+            ("--swarm-token", swarm_token),
+        )
         if not value
     ]
     if missing:
         raise typer.BadParameter(
             f"missing {', '.join(missing)}: pass them as printed by `ravn-coordinator serve`, set RAVN_SWARM, "
-            f"RAVN_INITIAL_PEERS and RAVN_COORDINATOR_KEY, or write them in {DEFAULT_CONFIG}",
+            f"RAVN_INITIAL_PEERS, RAVN_COORDINATOR_KEY and RAVN_SWARM_TOKEN, or write them in {DEFAULT_CONFIG}",
             param_hint=missing[0],
         )
     if host in ("0.0.0.0", "::") and not announce:
@@ -88,6 +102,10 @@ def join(
             "other peers can reach (e.g. your LAN or public IP)",
             param_hint="--announce",
         )
+    try:
+        parse_token(swarm_token)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--swarm-token") from None
     peer_id = name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, prefix=f"[{peer_id}] ")
     try:
@@ -114,6 +132,7 @@ def join(
         threads=threads,
         step_timeout=step_timeout,
         slowdown=debug_slowdown,
+        swarm_token=swarm_token,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
     )

@@ -22,6 +22,7 @@ from peer.discovery import Discovery, DiscoveryError
 from peer.driver import Driver
 from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
+from swarm import auth, limits
 from swarm.codec_policy import WirePolicy
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
@@ -59,11 +60,10 @@ class PeerSettings:
     status_every: float = 10.0  # seconds between the one-line live status in the log
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     slowdown: float = 0.0  # testing: an artificially slow peer
-    hf_path: str = ""
+    hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
-    metrics_host: str = (
-        "127.0.0.1"  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
-    )
+    metrics_host: str = "127.0.0.1"
+    swarm_token: str = ""  # proof of membership on every gRPC call (empty: no authentication, tests only)
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -114,9 +114,22 @@ class PeerDaemon:
             self._tasks.append(asyncio.create_task(self._upload_checkpoint(*snapshot), name="checkpoint"))
         return result
 
+    def channel(self, target: str, audience: str = auth.COORDINATOR_AUDIENCE, **kw) -> grpc.aio.Channel:
+        """A channel whose every call carries this peer's proof of swarm membership for ``audience``."""
+        interceptors = (
+            auth.client_interceptors(self.settings.swarm_token, self.peer_id, audience)
+            if self.settings.swarm_token
+            else None
+        )
+        return grpc.aio.insecure_channel(target, options=GRPC_OPTIONS, interceptors=interceptors, **kw)
+
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start_server(self) -> str:
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        interceptors = []
+        if self.settings.swarm_token:
+            verifier = auth.Verifier(self.settings.swarm_token, audiences=[self.peer_id])
+            interceptors = [auth.ServerAuth(verifier), limits.ServerLimits()]
+        self._server = grpc.aio.server(options=GRPC_OPTIONS + limits.SERVER_OPTIONS, interceptors=interceptors)
         wgrpc.add_StageServicer_to_server(StageService(self), self._server)
         port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
         if port == 0:
@@ -181,9 +194,7 @@ class PeerDaemon:
         await probe.start()
         endpoint = grpc_target_to_multiaddr(f"{self.settings.announce or self.settings.host}:{port}")
         try:
-            async with grpc.aio.insecure_channel(
-                multiaddr_to_grpc_target(plan.coordinator), options=GRPC_OPTIONS
-            ) as ch:
+            async with self.channel(multiaddr_to_grpc_target(plan.coordinator)) as ch:
                 reply = await cgrpc.ControlStub(ch).DialBack(cpb.DialBackRequest(endpoint=endpoint), timeout=15)
             reachable, detail = reply.reachable, reply.detail
         except grpc.aio.AioRpcError as e:
@@ -199,7 +210,7 @@ class PeerDaemon:
     async def _measure(self, plan: Plan, reachable: bool = True) -> PeerRecord:
         cfg = MODEL_PRESETS.get(plan.model_name, MODEL_PRESETS["gpt-small"])
         throughput = await self.run_compute(layer_throughput, cfg, self.device)
-        up, down = await measure_bandwidth(multiaddr_to_grpc_target(plan.coordinator))
+        up, down = await measure_bandwidth(self.channel(multiaddr_to_grpc_target(plan.coordinator)))
         return PeerRecord(
             peer_id=self.peer_id,
             endpoint=self.endpoint,
@@ -217,7 +228,7 @@ class PeerDaemon:
 
     async def _session(self, coordinator: str) -> int:
         """The control session with the coordinator: obey its commands in order."""
-        self._channel = grpc.aio.insecure_channel(coordinator, options=GRPC_OPTIONS)
+        self._channel = self.channel(coordinator, auth.COORDINATOR_AUDIENCE)
         self._control = cgrpc.ControlStub(self._channel)
         try:
             join = cpb.JoinRequest(
@@ -470,7 +481,7 @@ class PeerDaemon:
             else (a.upstream_peer, a.upstream_endpoint)
         )
         target = multiaddr_to_grpc_target(endpoint)
-        channel = grpc.aio.insecure_channel(target, options=GRPC_OPTIONS)
+        channel = self.channel(target, peer)
         link = Link(f"{self.peer_id}->{peer}")
         call = wgrpc.StageStub(channel).Link()
         try:

@@ -12,16 +12,17 @@ import grpc
 
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.transport import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 1 << 20
 
 
-async def measure_bandwidth(target: str, nbytes: int = PROBE_BYTES, timeout: float = 20.0) -> tuple[float, float]:
-    """(upload, download) bytes/s to the coordinator at ``target``; (0, 0) if it cannot be measured."""
+async def measure_bandwidth(
+    channel: grpc.aio.Channel, nbytes: int = PROBE_BYTES, timeout: float = 20.0
+) -> tuple[float, float]:
+    """(upload, download) bytes/s over ``channel`` to the coordinator; (0, 0) if it cannot be measured."""
     try:
-        async with grpc.aio.insecure_channel(target, options=GRPC_OPTIONS) as channel:
+        async with channel:
             stub = cgrpc.ControlStub(channel)
             await stub.Probe(cpb.ProbeRequest(), timeout=timeout)  # connect and warm up
             t0 = time.perf_counter()
@@ -32,5 +33,5 @@ async def measure_bandwidth(target: str, nbytes: int = PROBE_BYTES, timeout: flo
             down = nbytes / max(time.perf_counter() - t0, 1e-6)
             return up, down
     except grpc.aio.AioRpcError as e:
-        log.warning("could not measure the link to the coordinator at %s: %s", target, e.details())
+        log.warning("could not measure the link to the coordinator: %s", e.details())
         return 0.0, 0.0

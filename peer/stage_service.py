@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from swarm.auth import authenticated_peer
 from swarm.config import PROTOCOL_VERSION
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.stage_runner import StageInputError
@@ -38,6 +39,14 @@ class StageService(wgrpc.StageServicer):
             await fail_server_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         except (LinkClosed, TimeoutError):
+            return
+        proven = authenticated_peer(context)
+        if proven is not None and proven != hello.peer_id:
+            await fail_server_stream(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the call is signed by {proven!r} but its hello claims {hello.peer_id!r}",
+            )
             return
         if hello.protocol_version != PROTOCOL_VERSION:
             await fail_server_stream(

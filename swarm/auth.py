@@ -30,12 +30,14 @@ import binascii
 import collections
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -473,3 +475,18 @@ class _SyncCallDetails(
 def sync_channel(channel: grpc.Channel, token: str | SwarmKey, peer_id: str, audience: str) -> grpc.Channel:
     """``channel`` (synchronous API) with a fresh proof on every call."""
     return grpc.intercept_channel(channel, SyncClientAuth(ClientAuth(token, peer_id, audience)))
+
+
+def load_or_create_token(path: Path) -> str:
+    """The swarm's token kept in ``path`` (mode 0600), so a restarted coordinator keeps its swarm."""
+    path = path.expanduser()
+    if path.exists():
+        if path.stat().st_mode & 0o077:
+            raise ValueError(f"{path} is readable by other users; chmod 600 it")
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = generate_token()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token

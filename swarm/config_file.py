@@ -71,8 +71,9 @@ def enable_config(
     names = [name for name, _ in commands]
     unknown = sorted(set(sections or {}) - set(names))
     if unknown:
-        raise ValueError(f"sections name commands this app does not have: {', '.join(unknown)} "
-                         f"(commands: {', '.join(names)})")
+        raise ValueError(
+            f"sections name commands this app does not have: {', '.join(unknown)} (commands: {', '.join(names)})"
+        )
     table = {name: (sections or {}).get(name, name) for name in names}
     for name, section in table.items():
         if not SECTION_RE.fullmatch(section):
@@ -101,8 +102,9 @@ def _with_config_option(fn: Callable[..., Any], command: str, spec: _Spec) -> Ca
     """``fn`` with one more, eager parameter ``--config`` whose callback fills ``ctx.default_map``."""
     sig = inspect.signature(fn, eval_str=True)
     if any(name in sig.parameters for name in RESERVED):
-        raise TypeError(f"command {command!r} declares a 'config' parameter; enable_config adds --config "
-                        "itself, so remove it")
+        raise TypeError(
+            f"command {command!r} declares a 'config' parameter; enable_config adds --config itself, so remove it"
+        )
     section = spec.sections[command]
 
     def load(ctx: typer.Context, value: Path | None) -> Path | None:
@@ -118,10 +120,11 @@ def _with_config_option(fn: Callable[..., Any], command: str, spec: _Spec) -> Ca
         metavar="PATH",
         show_default=False,
         help=f"TOML file of defaults for these options (table {section}, or top-level keys{default}). "
-             f"Precedence: command line > {spec.prefix}_* environment > file > built-in defaults.",
+        f"Precedence: command line > {spec.prefix}_* environment > file > built-in defaults.",
     )
-    extra = inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
-                              annotation=Annotated[Path | None, option])
+    extra = inspect.Parameter(
+        "config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Path | None, option]
+    )
     params = list(sig.parameters.values())
     cut = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
     params.insert(cut, extra)
@@ -194,8 +197,9 @@ def section_defaults(
     return out
 
 
-def _check_table(table: Mapping[str, Any], path: tuple[str, ...], app_sections: Mapping[str, frozenset[str]],
-                 source: str) -> None:
+def _check_table(
+    table: Mapping[str, Any], path: tuple[str, ...], app_sections: Mapping[str, frozenset[str]], source: str
+) -> None:
     under = {s: names for s, names in app_sections.items() if tuple(s.split("."))[: len(path)] == path}
     known = frozenset().union(*under.values()) if under else frozenset()
     where = f"config file {source}" + (f", [{'.'.join(path)}]" if path else "")
@@ -275,28 +279,33 @@ def _suggest(key: str, known: frozenset[str]) -> str:
 JOIN_KEYS = ("swarm", "initial_peers", "coordinator_key")
 
 
-def write_join_file(path: Path, *, swarm: str, initial_peers: list[str], coordinator_key: str,
-                    comment: str = "") -> Path:
+def write_join_file(
+    path: Path, *, swarm: str, initial_peers: list[str], coordinator_key: str, comment: str = "", swarm_token: str = ""
+) -> Path:
     """Write what ``ravn-peer join`` needs as flat TOML, atomically (readers never see half a file).
 
     Why a file: in Docker and other automated setups the coordinator's DHT multiaddr carries a peer id
     that exists only once it runs. The file is a valid ``ravn-peer join --config`` file and the Docker
-    peer entrypoint reads it. It holds no secret (the key is the coordinator's public key).
+    peer entrypoint reads it. With ``swarm_token`` it holds the swarm's secret and is written 0600.
     """
     if not initial_peers:
         raise ValueError("a join file needs at least one initial peer multiaddr")
-    lines = [f"# {line}" for line in (comment or "Written by ravn-coordinator serve; read by ravn-peer join "
-                                      "--config.").splitlines()]
+    lines = [
+        f"# {line}"
+        for line in (comment or "Written by ravn-coordinator serve; read by ravn-peer join --config.").splitlines()
+    ]
     lines += [
         f"swarm = {_toml_str(swarm)}",
         "initial_peers = [" + ", ".join(_toml_str(p) for p in initial_peers) + "]",
         f"coordinator_key = {_toml_str(coordinator_key)}",
     ]
+    if swarm_token:
+        lines.append(f"swarm_token = {_toml_str(swarm_token)}")
     path = path.expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tmp.chmod(0o644)
+    tmp.chmod(0o600 if swarm_token else 0o644)
     tmp.replace(path)
     return path
 
@@ -308,10 +317,16 @@ def read_join_file(path: Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"join file {path} lacks {', '.join(missing)}")
     peers = data["initial_peers"]
-    if not (isinstance(data["swarm"], str) and isinstance(data["coordinator_key"], str)
-            and isinstance(peers, list) and peers and all(isinstance(p, str) for p in peers)):
-        raise ConfigError(f"join file {path}: swarm and coordinator_key must be strings, initial_peers a list of "
-                          "strings")
+    if not (
+        isinstance(data["swarm"], str)
+        and isinstance(data["coordinator_key"], str)
+        and isinstance(peers, list)
+        and peers
+        and all(isinstance(p, str) for p in peers)
+    ):
+        raise ConfigError(
+            f"join file {path}: swarm and coordinator_key must be strings, initial_peers a list of strings"
+        )
     return {k: data[k] for k in JOIN_KEYS}
 
 

@@ -138,9 +138,9 @@ def coordinator(tmp: Path, *args: str) -> Proc:
 
 
 def join_args(coord: Proc, timeout: float = 60) -> list[str]:
-    """The join command the coordinator printed, as arguments."""
-    _, m = coord.wait_for(r"ravn-peer join (.*)$", timeout)
-    return m.group(1).split()
+    """The join command the coordinator printed, as arguments (its token passed as --swarm-token)."""
+    _, m = coord.wait_for(r"RAVN_SWARM_TOKEN=(\S+) ravn-peer join (.*)$", timeout)
+    return [*m.group(2).split(), "--swarm-token", m.group(1)]
 
 
 def peer(tmp: Path, join: list[str], name: str, *args: str) -> Proc:

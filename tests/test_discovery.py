@@ -127,10 +127,11 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, text: str) -> None:
     assert text in proc.stderr, proc.stderr
 
 
-def test_join_mistakes_get_one_line_errors(tmp_path: Path) -> None:
+def test_join_mistakes_get_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     coord = coordinator(tmp_path, "--peers", "1", "--swarm", "right", "--model", "gpt-tiny", "--name", "errs")
     try:
         join = join_args(coord)
+        monkeypatch.setenv("RAVN_SWARM_TOKEN", join[join.index("--swarm-token") + 1])
         key = join[join.index("--coordinator-key") + 1]
         maddr = join[join.index("--initial-peers") + 1]
         assert_one_line_error(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -43,8 +44,19 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
         _, metrics_url = proc.wait_for(r"Prometheus metrics on (http://\S+)", 30)
         proc.wait_for(r"step 10: validation loss", 180)
         tree = proc.tree()
+        token = (tmp_path / "live" / "swarm.token").read_text().strip()
+        denied = subprocess.run(
+            ravn_cmd("status", "--coordinator", target), cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert denied.returncode == 3 and "requires a join token" in denied.stderr, denied.stderr
+        auth_env = {**os.environ, "RAVN_SWARM_TOKEN": token}
         out = subprocess.run(
-            ravn_cmd("status", "--coordinator", target, "--json"), cwd=ROOT, capture_output=True, text=True, timeout=60
+            ravn_cmd("status", "--coordinator", target, "--json"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=auth_env,
         )
         assert out.returncode in (0, 1), out.stderr  # healthy, or degraded while a peer is still warming up
         status = json.loads(out.stdout)
@@ -57,7 +69,7 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=60,
-            env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
+            env={**auth_env, "COLUMNS": "160"},
         )
         assert re.search(r"healthy|degraded", table.stdout) and "peer-0" in table.stdout, table.stdout + table.stderr
         body = urllib.request.urlopen(metrics_url.group(1), timeout=10).read().decode()
