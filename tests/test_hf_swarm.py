@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a (tiny, locally built) Hugging Face checkpoint across real peer processes.
+"""LoRA fine-tuning of a (tiny, locally built) Hugging Face checkpoint across 3 real peer processes.
 
 The adapter the run writes must load back with peft on the full model and give the validation loss the
 swarm reported.
@@ -39,7 +39,7 @@ def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
         tmp_path,
         "lora",
         "--peers",
-        "2",
+        "3",
         "--model",
         str(ckpt),
         "--finetune",
