@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import signal
+import struct
 import subprocess
+import termios
+import time
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +20,32 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, ravn_cmd
 from tests.swarm_procs import Proc, assert_all_gone
+
+
+def watch_in_a_terminal(cmd: list[str], env: dict[str, str], seconds: float, until: str = "tok/s") -> str:
+    """Run ``cmd`` under a pseudo-terminal until it draws ``until`` twice (or ``seconds``), then Ctrl-C it."""
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "TERM": "xterm-256color"}, stdin=sub, stdout=sub, stderr=sub)
+    os.close(sub)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline and b"".join(chunks).count(until.encode()) < 2:
+            ready, _, _ = select.select([main], [], [], 0.2)
+            if ready:
+                try:
+                    chunks.append(os.read(main, 65536))
+                except OSError:
+                    break
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main)
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
 
 
 def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
@@ -72,6 +104,10 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
             env={**auth_env, "COLUMNS": "160"},
         )
         assert re.search(r"healthy|degraded", table.stdout) and "peer-0" in table.stdout, table.stdout + table.stderr
+        screen = watch_in_a_terminal(
+            ravn_cmd("status", "--coordinator", target, "--watch", "--interval", "1"), auth_env, seconds=60
+        )
+        assert re.search(r"healthy|degraded", screen) and "peer-1" in screen and "tok/s" in screen, screen
         body = urllib.request.urlopen(metrics_url.group(1), timeout=10).read().decode()
         names = {f.name for f in text_string_to_metric_families(body)}
         assert any(n.startswith("ravn_") for n in names), sorted(names)[:20]
