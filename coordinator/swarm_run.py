@@ -99,6 +99,7 @@ class SwarmRun:
         self._leaving: set[str] = set()
         self._joiners: list[str] = []
         self._considered: set[str] = set()
+        self._removed: dict[str, float] = {}
         self._restore_version = 0
         self.metrics_server = MetricsServer()
         self.metrics = self.metrics_server.coordinator(settings.swarm, settings.name)
@@ -383,12 +384,16 @@ class SwarmRun:
 
     def _consider_joins(self, records: dict[str, PeerRecord]) -> None:
         """A new peer during training: re-plan if it predicts enough throughput gain (hysteresis)."""
+        now = time.monotonic()
+        recently_gone = {p for p, t in self._removed.items() if now - t < 2 * self.membership.ttl}
         fresh = [
             r
             for pid, r in records.items()
             if pid not in self.planned
             and pid not in self.sessions
             and pid not in self._considered
+            and pid not in recently_gone  # a dead peer's record outlives it by a few heartbeats
+            and pid not in self._lost
             and r.state != "leaving"
         ]
         if not fresh or not self._started or self._recovering or not self.s.train.checkpoint_every:
@@ -506,6 +511,7 @@ class SwarmRun:
             # nobody gone: a join, or a link broke while every peer lives: restart them all
             gone = await self._await_departures() if not joiners or leavers else set()
             for peer_id in gone:
+                self._removed[peer_id] = time.monotonic()  # its record may outlive it by a few heartbeats
                 session = self.sessions.pop(peer_id)
                 session.commands.put_nowait(None)
                 self.planned.pop(peer_id, None)
