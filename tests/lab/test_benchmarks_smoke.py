@@ -1,0 +1,60 @@
+"""The pipeline benchmarks end to end on tiny settings (`pytest -m lab tests/lab`, root, ~1 min).
+
+One Ravn sync fp32 run and one torch GPipe run of gpt-tiny in the lab. They apply the same math to
+the same data, so their losses must agree: that is what makes the speed comparison fair. Also
+checks that the kernel byte counters saw the traffic, and that the table and targets render.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))  # benchmarks/ is not an installed package
+
+
+@pytest.fixture(scope="module")
+def lab_ok():
+    from benchmarks.lab import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"swarm lab unavailable: {reason}")
+
+
+@pytest.mark.lab
+def test_ravn_and_torch_pipelines_agree_and_are_counted(lab_ok, tmp_path):
+    from benchmarks import pipeline, vs_torch_pipelining
+    from benchmarks.lab import Lab, list_netns
+    from benchmarks.pipeline_common import Workload, cap_links, link_bound_tokens_per_s, run_ravn
+
+    workload = Workload(model="gpt-tiny", steps=6, micro_batches=4, micro_batch_size=2, eval_every=3)
+    with Lab(cap_links("50mbit"), coordinator=True) as lab:
+        ravn = run_ravn(lab, "50mbit", "sync fp32", workload, tmp_path / "ravn")
+        lab_id = lab.id
+    with Lab(cap_links("50mbit"), coordinator=True) as lab:
+        torch_run = vs_torch_pipelining.run_torch(lab, "50mbit", "GPipe fp32", workload, tmp_path, timeout_s=90)
+    assert [n for n in list_netns() if lab_id in n] == []
+
+    tokens = workload.steps * workload.tokens_per_step
+    assert ravn.tokens == torch_run.tokens == tokens
+    assert len(ravn.evals) == len(torch_run.evals) == workload.steps // workload.eval_every
+    for (_, t_ravn, l_ravn), (_, t_torch, l_torch) in zip(ravn.evals, torch_run.evals, strict=True):
+        assert t_ravn == t_torch
+        assert l_ravn == pytest.approx(l_torch, rel=1e-4)  # same weights, data and recipe
+    # fp32 hidden states (64 floats/token) cross two links each way, plus headers and one eval pass;
+    # the counters are sampled every 0.1 s, so a one-second window is only roughly right
+    for run in (ravn, torch_run):
+        assert run.train_s > 0 and run.tokens_per_s > 0
+        assert 0.7 * 2 * 2 * 64 * 4 <= run.wire_bytes_per_token < 3 * 2 * 2 * 64 * 4, run.host_bytes
+        assert link_bound_tokens_per_s(run, cap_links("50mbit")) < float("inf")
+    assert ravn.payload_bytes_per_token and ravn.stages and len(ravn.stages) == 3
+
+    assert "sync fp32" in pipeline.table([ravn])
+    text = vs_torch_pipelining.table([torch_run, ravn], compute_bound=1e6)
+    assert "1.00x" in text and "Ravn sync fp32" in text
+    assert any(ok is not None for _, ok, _ in vs_torch_pipelining.targets([torch_run, ravn], 1e6))
