@@ -1,4 +1,4 @@
-"""``ravn-coordinator``: host the coordinator of a swarm that peers join over the network."""
+"""Ravn coordinator: host the coordinator of a swarm that peers join over the network."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``ravn``: the swarm on your laptop (``ravn local``) and, later, a view of any swarm."""
+"""Ravn: train transformers across many machines; `ravn local` runs a swarm here, `ravn status` watches one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``ravn-peer``: lend this machine's GPU (or CPU) to a swarm."""
+"""Ravn peer: lend this machine's GPU (or CPU) to a swarm."""
 
 from __future__ import annotations
 
