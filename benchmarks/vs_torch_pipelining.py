@@ -150,11 +150,19 @@ def _placement(record: RunRecord | None) -> list[int] | None:
     return [int(peer[1:]) for peer, _ in sorted(record.blocks.items(), key=lambda kv: kv[1][0])]
 
 
-def run_all(caps: list[str], workload: Workload, work: Path, reuse: list[RunRecord]) -> list[RunRecord]:
+def _all_labels() -> list[str]:
+    return [f"Ravn {m}" for m in RAVN] + [f"torch {m}" for m in TORCH]
+
+
+def run_all(
+    caps: list[str], workload: Workload, work: Path, reuse: list[RunRecord], labels: list[str] | None = None
+) -> list[RunRecord]:
     """Per cap: Ravn first (its planner places the stages), then torch with the same placement."""
     records = []
+    runs = [("ravn", m) for m in RAVN] + [("torch", m) for m in TORCH]
+    runs = [(s, m) for s, m in runs if labels is None or f"{'Ravn' if s == 'ravn' else 'torch'} {m}" in labels]
     for cap in caps:
-        for system, mode in [("ravn", m) for m in RAVN] + [("torch", m) for m in TORCH]:
+        for system, mode in runs:
             old = next((r for r in reuse if r.cap == cap and r.mode == mode), None)
             if system == "ravn" and old is not None:
                 print(f"[{cap}] ravn {mode}: reused from the pipeline benchmark", flush=True)
@@ -330,6 +338,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 16; 4 with --quick)")
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="short runs at lan and 10mbit: a smoke test, not a result")
+    ap.add_argument("--systems", nargs="+", default=None, choices=_all_labels(), help="default: all four")
     ap.add_argument("--reuse", type=Path, default=None, help="pipeline.json whose Ravn runs to reuse")
     ap.add_argument("--from-json", type=Path, default=None, help="only redo table and plots of a saved run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -355,7 +364,7 @@ def main() -> None:
     print(f"compute bound: stages {[f'{s * 1000:.0f} ms' for s in stage_s]} per micro-batch, {cores} cores "
           f"-> {bound:,.0f} tokens/s", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ravn-vs-torch-") as tmp:
-        records = run_all(caps, workload, Path(tmp), _reusable(args.reuse, workload))
+        records = run_all(caps, workload, Path(tmp), _reusable(args.reuse, workload), args.systems)
     meta = {
         "workload": workload.__dict__,
         "cpus": cores,
