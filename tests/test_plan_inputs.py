@@ -78,3 +78,11 @@ def test_every_peer_gets_a_block_sized_by_its_speed() -> None:
     tiny = ModelConfig(n_layers=3, d_model=64, n_heads=2, context=64)
     p = plan_every_peer(peer_specs([record("a", 1.0), record("b", 50.0), record("c", 7.0)]), model_spec(tiny, TRAIN))
     assert [st.layer_end - st.layer_start for st in p.stages] == [1, 1, 1]
+
+
+def test_noisy_measurements_of_equal_peers_give_an_even_split() -> None:
+    from coordinator.plan_inputs import plan_every_peer
+
+    six = ModelConfig(n_layers=6, d_model=256, n_heads=8, context=128)
+    p = plan_every_peer(peer_specs([record("a", 11.0), record("b", 9.0), record("c", 10.0)]), model_spec(six, TRAIN))
+    assert [st.layer_end - st.layer_start for st in p.stages] == [2, 2, 2]
