@@ -85,6 +85,8 @@ def serve(
         model=options.model_config(),
         train=options.train_config(),
         peers=peers,
+        stages=options.stages,
+        replicate=options.replicate,
         host=host,
         port=port,
         announce=announce,

@@ -49,6 +49,12 @@ class RunOptions:
     context: int
     name: str
     runs_dir: Path
+    stages: int = 0
+    replicate: int = -1
+    average_every: int = 10
+    average_codec: str = "int8"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
 
     @property
     def is_checkpoint(self) -> bool:
@@ -111,6 +117,10 @@ class RunOptions:
             max_in_flight=self.max_in_flight,
             grad_clip=self.grad_clip if self.grad_clip is not None else (1.0 if self.schedule == "async" else 0.0),
             checkpoint_every=self.checkpoint_every,
+            average_every=self.average_every,
+            average_codec=self.average_codec,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
         )
 
     def run_name(self) -> str:
@@ -242,6 +252,38 @@ def _train_params(
         str, typer.Option(help="Run name; artefacts go to RUNS_DIR/NAME (default: a timestamp).", callback=_check_name)
     ] = "",
     runs_dir: Annotated[Path, typer.Option(help="Folder that holds the runs.")] = Path("runs"),
+    stages: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Pipeline stages (0: one per peer). With fewer stages than peers, the spare peers become "
+            "replicas that share a block's micro-batches and average its parameters.",
+        ),
+    ] = 0,
+    replicate: Annotated[
+        int,
+        typer.Option(
+            min=-1,
+            help="Stage that gets the spare peers as replicas (-1: the one the planner predicts slowest; "
+            "the first stage, which holds the data, is never replicated).",
+        ),
+    ] = -1,
+    average_every: Annotated[
+        int, typer.Option(min=1, help="Replicas average their parameters every T local optimizer steps.")
+    ] = 10,
+    average_codec: Annotated[
+        str,
+        typer.Option(
+            help=f"Codec of the averaged parameter changes: {', '.join(WIRE_CODECS)}.",
+            callback=lambda v: _check_choice(v, WIRE_CODECS, "codec"),
+        ),
+    ] = "int8",
+    outer_lr: Annotated[
+        float, typer.Option(min=0.0, help="Outer (DiLoCo) step on the averaged change; 1 is plain averaging.")
+    ] = 1.0,
+    outer_momentum: Annotated[
+        float, typer.Option(min=0.0, max=0.99, help="Nesterov momentum of the outer step (0: none).")
+    ] = 0.0,
 ) -> RunOptions:
     return RunOptions(
         model,
@@ -270,6 +312,12 @@ def _train_params(
         context,
         name,
         runs_dir,
+        stages,
+        replicate,
+        average_every,
+        average_codec,
+        outer_lr,
+        outer_momentum,
     )
 
 

@@ -47,6 +47,9 @@ def local(
         int | None, typer.Option(min=0, max=65535, help="Serve the coordinator's Prometheus metrics on this port.")
     ] = None,
     debug_slow_peer: Annotated[str, typer.Option(hidden=True, help="Testing: INDEX:SECONDS slows one peer.")] = "",
+    debug_slow_layers: Annotated[
+        str, typer.Option(hidden=True, help="Testing: A:B=SECONDS makes layers [A,B) slower on whoever holds them.")
+    ] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
@@ -65,6 +68,8 @@ def local(
         model=model,
         train=options.train_config(),
         peers=peers,
+        stages=options.stages,
+        replicate=options.replicate,
         model_name=options.model_name,
         swarm=swarm,
         hf=options.hf_config(),
@@ -77,7 +82,13 @@ def local(
     try:
         code = uvloop.run(
             run_local(
-                settings, membership, threads=threads, device=device, heartbeat=heartbeat, slow_peer=debug_slow_peer
+                settings,
+                membership,
+                threads=threads,
+                device=device,
+                heartbeat=heartbeat,
+                slow_peer=debug_slow_peer,
+                slow_layers=debug_slow_layers,
             )
         )
     finally:

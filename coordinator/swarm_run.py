@@ -20,7 +20,7 @@ import torch
 from coordinator.artifacts import RunArtifacts
 from coordinator.checkpoint_store import CheckpointStore
 from coordinator.control_service import ControlService
-from coordinator.cost_model import InfeasiblePlanError
+from coordinator.cost_model import CostModel, InfeasiblePlanError
 from coordinator.membership import Membership, make_plan
 from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
 from coordinator.progress import Progress
@@ -80,6 +80,8 @@ class RunSettings:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     swarm_token: str = ""  # every call must prove it (empty: no authentication, tests only)
+    stages: int = 0  # pipeline stages (0: one per peer); spare peers become replicas
+    replicate: int = -1  # the stage that gets the replicas (-1: the slowest predicted)
 
 
 class SwarmRun:
@@ -115,6 +117,8 @@ class SwarmRun:
         self.train_losses: list[tuple[int, float]] = []
         self.val_losses: list[tuple[int, float]] = []
         self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self.replica_states: dict[int, dict[str, dict[str, torch.Tensor]]] = {}  # stage -> peer -> final state
+        self._uploaded: set[str] = set()
         self.port = 0
         self.control_endpoint = ""
         self._joined = asyncio.Event()
@@ -156,10 +160,16 @@ class SwarmRun:
         """A control stream broke: the peer process is gone (its DHT record will expire too)."""
         if not self._states_in.is_set():
             log.warning("peer %s: %s", peer_id, why)
+            if self._started and not self._recovering and self._replicated(peer_id):
+                asyncio.ensure_future(self._replica_gone(peer_id, f"is gone ({why})"))
+                return
             self._lost.add(peer_id)
 
     def peer_failed(self, peer_id: str, reason: str) -> None:
         """A peer process died (seen by its launcher); ignored if recovery already dealt with it."""
+        if self._started and not self._recovering and self._replicated(peer_id):
+            asyncio.ensure_future(self._replica_gone(peer_id, reason))
+            return
         if peer_id in self.sessions or not self._started:
             self._lost.add(peer_id)
             self.fail(reason)
@@ -263,8 +273,21 @@ class SwarmRun:
 
     def on_state(self, peer_id: str, stage: int, tensors: dict[str, torch.Tensor]) -> None:
         self.states[stage] = tensors
-        if len(self.states) == len(self.sessions):
+        self.replica_states.setdefault(stage, {})[peer_id] = tensors
+        self._uploaded.add(peer_id)
+        if self._uploaded >= set(self.sessions):
             self._states_in.set()
+
+    def replica_disagreement(self) -> float | None:
+        """Largest absolute difference between replicas of one block in the final upload (None: no replicas)."""
+        worst = None
+        for by_peer in self.replica_states.values():
+            states = list(by_peer.values())
+            for other in states[1:]:
+                for name, t in states[0].items():
+                    diff = float((t.float() - other[name].float()).abs().max()) if t.numel() else 0.0
+                    worst = diff if worst is None else max(worst, diff)
+        return worst
 
     # ---- the run --------------------------------------------------------------------------------
     async def start_server(self) -> int:
@@ -309,26 +332,98 @@ class SwarmRun:
     def _plan_for(self, records: list[PeerRecord]) -> Plan:
         """Contiguous blocks sized by each peer's measured throughput, memory and link (one peer per block),
         with peers behind NAT kept apart so that every boundary has a side that accepts connections."""
+        self.reachable = {r.peer_id: r.reachable is not False for r in records}
+        chain, spare = self._chain_and_spare(records)
+        spec = model_spec(self.s.model, self.s.train, self.s.hf)
         try:
-            partition = plan_every_peer(peer_specs(records), model_spec(self.s.model, self.s.train, self.s.hf))
+            partition = plan_every_peer(peer_specs(chain), spec)
         except InfeasiblePlanError as e:
             raise RunFailed(f"no plan fits these peers: {e}") from None
         endpoints = {r.peer_id: r.endpoint for r in records}
-        self.reachable = {r.peer_id: r.reachable is not False for r in records}
         blocks = [(st.layer_start, st.layer_end) for st in partition.stages]
         try:
             order = arrange([st.peer_ids[0] for st in partition.stages], self.reachable)
         except Unarrangeable as e:
             raise RunFailed(f"blocked on reachability: {e}") from None
-        stages = [(a, b, [(p, endpoints[p])]) for (a, b), p in zip(blocks, order, strict=True)]
+        groups = [[p] for p in order]
+        throughput = self._place_replicas(records, blocks, groups, spare, spec) if spare else partition.throughput
+        stages = [(a, b, [(p, endpoints[p]) for p in group]) for (a, b), group in zip(blocks, groups, strict=True)]
         self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
-        self.predicted_throughput = partition.throughput
+        self.predicted_throughput = throughput
         if partition.unused_peer_ids:
             self.progress.message(f"standby (not needed by the plan): {', '.join(partition.unused_peer_ids)}")
         behind_nat = [p for p in order if not self.reachable[p]]
         if behind_nat:
             self.progress.message(f"behind NAT (they dial their neighbours): {', '.join(behind_nat)}")
         return self._publishable(stages)
+
+    def _chain_and_spare(self, records: list[PeerRecord]) -> tuple[list[PeerRecord], list[PeerRecord]]:
+        """With ``--stages N`` and more peers: the N that hold the chain, and the spares that become replicas.
+
+        Peers behind NAT always hold a chain block (replicas must accept connections from both sides);
+        then the fastest reachable peers; the slowest reachable ones are the spares.
+        """
+        n = self.s.stages or len(records)
+        if n >= len(records):
+            return records, []
+        if n < 1 or (n == 1 and len(records) > 1):
+            raise RunFailed("with replicas the pipeline needs at least 2 stages (the first stage is never replicated)")
+        by_speed = sorted(records, key=lambda r: (self.reachable[r.peer_id], -r.throughput_layers_per_s, r.peer_id))
+        chain = by_speed[:n]
+        return sorted(chain, key=lambda r: r.peer_id), by_speed[n:]
+
+    def _place_replicas(
+        self, records: list[PeerRecord], blocks: list[tuple[int, int]], groups: list[list[str]], spare, spec
+    ) -> float:
+        """Each spare peer joins the stage predicted slowest (or ``--replicate``); returns micro-batches/s."""
+        cm = CostModel(peer_specs(records), spec)
+        if self.s.replicate == 0:
+            raise RunFailed("the first stage holds the data source and cannot be replicated (--replicate >= 1)")
+        if self.s.replicate >= len(blocks):
+            raise RunFailed(f"--replicate {self.s.replicate}: the pipeline has only stages 0..{len(blocks) - 1}")
+
+        def stage_time(i: int) -> float:
+            return cm.stage_time([cm.index[p] for p in groups[i]], *blocks[i])
+
+        for r in sorted(spare, key=lambda r: -r.throughput_layers_per_s):
+            target = self.s.replicate if self.s.replicate > 0 else max(range(1, len(blocks)), key=stage_time)
+            groups[target].append(r.peer_id)
+        self.progress.message(
+            "replicas: "
+            + ", ".join(
+                f"stage {i} layers [{a},{b}) x{len(g)}"
+                for i, ((a, b), g) in enumerate(zip(blocks, groups, strict=True))
+                if len(g) > 1
+            )
+        )
+        return 1.0 / max(stage_time(i) for i in range(len(blocks)))
+
+    def _replicated(self, peer_id: str) -> bool:
+        """Does another planned peer still hold this peer's block?"""
+        block = self.planned.get(peer_id)
+        return block is not None and any(p != peer_id and v[:2] == block[:2] for p, v in self.planned.items())
+
+    async def _replica_gone(self, peer_id: str, why: str) -> None:
+        """A replica vanished: its block is still held, so the swarm trains on; the others just forget it."""
+        if not self._replicated(peer_id):
+            return
+        a, b, _ = self.planned.pop(peer_id)
+        self._removed[peer_id] = time.monotonic()
+        session = self.sessions.pop(peer_id, None)
+        if session is not None:
+            session.commands.put_nowait(None)
+        self.artifacts.log("membership", peer=peer_id, event="replica_lost", layers=[a, b], reason=why)
+        self.progress.message(f"replica {peer_id} of layers [{a},{b}) {why}; its replicas carry on without it")
+        if self.plan is not None:
+            stages = [
+                (st.layer_start, st.layer_end, [(p.peer_id, p.endpoint) for p in st.peers if p.peer_id != peer_id])
+                for st in self.plan.stages
+            ]
+            await self._publish(self._publishable(stages))
+            for other, s in self.sessions.items():
+                s.commands.put_nowait(cpb.Command(update=self._assignment(other)))
+        if self.sessions and all(x.ready for x in self.sessions.values()):
+            self._ready.set()
 
     def _publishable(self, stages: list[tuple[int, int, list[tuple[str, str]]]]) -> Plan:
         self.plan_version += 1
@@ -426,6 +521,9 @@ class SwarmRun:
             for peer_id, (a, b, _) in list(self.planned.items()):
                 record = records.get(peer_id)
                 if record is not None and record.state != "leaving":
+                    continue
+                if record is None and self._started and not self._recovering and self._replicated(peer_id):
+                    await self._replica_gone(peer_id, "stopped heartbeating (its record expired)")
                     continue
                 why = "left gracefully" if record is not None else "stopped heartbeating (its record expired)"
                 del self.planned[peer_id]
@@ -559,9 +657,11 @@ class SwarmRun:
     def _assignment(self, peer_id: str) -> cpb.Assignment:
         stages = self.plan.stages
         index = next(i for i, st in enumerate(stages) if any(p.peer_id == peer_id for p in st.peers))
-        up = stages[index - 1].peers[0] if index > 0 else None
-        down = stages[index + 1].peers[0] if index + 1 < len(stages) else None
+        ups = stages[index - 1].peers if index > 0 else []
+        downs = stages[index + 1].peers if index + 1 < len(stages) else []
+        up, down = (ups[0] if ups else None), (downs[0] if downs else None)
         st = stages[index]
+        me = next(p for p in st.peers if p.peer_id == peer_id)
         return cpb.Assignment(
             run_id=self.run_id,
             stage=index,
@@ -576,8 +676,13 @@ class SwarmRun:
             downstream_peer=down.peer_id if down else "",
             hf=hf_to_pb(self.s.hf) if self.s.hf else None,
             restore_version=self._restore_version,
-            dial_upstream=up is not None and not stages[index].peers[0].reachable,
-            accept_downstream=down is not None and not down.reachable,
+            dial_upstream=up is not None and not me.reachable,
+            accept_downstream=down is not None and not all(p.reachable for p in downs),
+            upstreams=[cpb.Neighbour(peer_id=p.peer_id, endpoint=p.endpoint) for p in ups],
+            downstreams=[cpb.Neighbour(peer_id=p.peer_id, endpoint=p.endpoint) for p in downs],
+            replicas=[cpb.Neighbour(peer_id=p.peer_id, endpoint=p.endpoint) for p in st.peers]
+            if len(st.peers) > 1
+            else [],
         )
 
     async def run(self) -> int:
@@ -683,6 +788,10 @@ class SwarmRun:
             "bytes_sent": st.bytes_sent,
             "stash_bytes_peak": st.stash_bytes_peak,
             "in_flight_peak": st.in_flight_peak,
+            "average_rounds": st.average_rounds,
+            "average_bytes": st.average_bytes,
+            "anchor_digest": st.anchor_digest,
+            "forward_micro_batches": st.forward_micro_batches - base.forward_micro_batches,
         }
 
     def _write_summary(self) -> None:
@@ -700,6 +809,9 @@ class SwarmRun:
             "wire_forward": self.s.train.wire_forward,
             "wire_backward": self.s.train.wire_backward,
             "final_val_loss": self.val_losses[-1][1] if self.val_losses else None,
+            "replica_max_abs_diff": self.replica_disagreement(),
+            "average_bytes": sum(x.stats.average_bytes for x in self.sessions.values()),
+            "lost_micro_batches": sum(x.stats.lost_micro_batches for x in self.sessions.values()),
         }
         summary["stages"] = [self._stage_summary(x) for x in sorted(self.sessions.values(), key=lambda x: x.stage)]
         self.artifacts.log("summary", **summary)

@@ -28,6 +28,18 @@ def _main() -> None:
     """Run a Ravn peer."""
 
 
+
+def _slow_layers(spec: str) -> tuple[int, int, float] | None:
+    if not spec:
+        return None
+    try:
+        span, seconds = spec.split("=")
+        a, b = span.split(":")
+        return int(a), int(b), float(seconds)
+    except ValueError:
+        raise typer.BadParameter("expected A:B=SECONDS", param_hint="--debug-slow-layers") from None
+
+
 @app.command()
 def join(
     swarm: Annotated[str, typer.Option(envvar="RAVN_SWARM", help="Name of the swarm to join.")] = "",
@@ -71,6 +83,9 @@ def join(
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")] = 300.0,
     find_timeout: Annotated[float, typer.Option(help="Seconds to look for the swarm's coordinator in the DHT.")] = 60.0,
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
+    debug_slow_layers: Annotated[
+        str, typer.Option(hidden=True, help="Testing: A:B=SECONDS adds SECONDS per layer of [A,B) held, per pass.")
+    ] = "",
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
     ] = None,
@@ -132,6 +147,7 @@ def join(
         threads=threads,
         step_timeout=step_timeout,
         slowdown=debug_slowdown,
+        slow_layers=_slow_layers(debug_slow_layers),
         swarm_token=swarm_token,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
@@ -155,3 +171,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from peer.averaging import AverageGroup
 from peer.compute import BACKWARD, FORWARD, OTHER, ComputeWorker
 from peer.discovery import Discovery, DiscoveryError
 from peer.driver import Driver
@@ -28,19 +29,23 @@ from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.measure import device_name, free_memory_bytes, layer_throughput
 from swarm.messages import AssignmentError, assignment_configs, check_assignment
+from swarm.messages import assignment_neighbours as neighbours
 from swarm.metrics import MetricsServer
 from swarm.multiaddrs import grpc_target_to_multiaddr, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.routing import ReplicaRouter
 from swarm.stage_factory import build_runner
 from swarm.stage_runner import StageInputError, StageRunner
+from swarm.step_shares import SenderSplit, UpstreamShares
 from swarm.transport import GRPC_OPTIONS, Link, LinkClosed, hello_packet, read_hello, refuse_client_stream
 from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
 
 log = logging.getLogger(__name__)
 SOFTWARE_VERSION = "0.1.0"
+FINAL_ROUND = 1 << 40  # averaging rounds at the end of a run are numbered from here (never periodic ones)
 
 
 @dataclass
@@ -60,6 +65,7 @@ class PeerSettings:
     status_every: float = 10.0  # seconds between the one-line live status in the log
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     slowdown: float = 0.0  # testing: an artificially slow peer
+    slow_layers: tuple[int, int, float] | None = None  # testing: layers [a, b) cost this many extra seconds
     hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
     metrics_host: str = "127.0.0.1"
@@ -90,9 +96,19 @@ class PeerDaemon:
         self.runner: StageRunner | None = None
         self.assignment: cpb.Assignment | None = None
         self.policy = WirePolicy()
-        self.upstream: Link | None = None
-        self.downstream: Link | None = None
+        self.upstreams: dict[str, Link] = {}  # every holder of the previous block, by peer id
+        self.downstreams: dict[str, Link] = {}  # every holder of the next block
         self.downstream_ready = asyncio.Event()
+        self.router: ReplicaRouter | None = None  # which downstream holder gets each micro-batch
+        self.split: SenderSplit | None = None  # step markers for a replicated downstream block
+        self.shares: UpstreamShares | None = None  # this peer is a replica: its share of each step
+        self.group: AverageGroup | None = None  # this peer is a replica: parameter averaging
+        self._origin: dict[int, str] = {}  # micro-batch id -> the upstream holder its gradient goes back to
+        self._sent: dict[int, pb.MicroBatch] = {}  # micro-batches out downstream, in case their holder vanishes
+        self.lost_micro_batches = 0
+        self._stepped = asyncio.Event()
+        self._avg_lock = asyncio.Lock()
+        self.anchor_digest = ""
         self.assigned = asyncio.Event()
         self.driver: Driver | None = None
         self.endpoint = ""
@@ -108,6 +124,7 @@ class PeerDaemon:
     # ---- compute thread -------------------------------------------------------------------------
     async def run_compute(self, fn, *args, priority: int = OTHER):
         result = await self.compute.run(fn, *args, priority=priority)
+        self._stepped.set()
         runner = self.runner
         if runner is not None and runner.pending_checkpoint is not None:
             snapshot, runner.pending_checkpoint = runner.pending_checkpoint, None
@@ -249,6 +266,8 @@ class PeerDaemon:
                     await self._on_assign(command.assign)
                 elif kind == "start":
                     self._start_driver(command.start)
+                elif kind == "update":
+                    await self._on_update(command.update)
                 elif kind == "stop_training":
                     if self.driver is not None:
                         self.driver.stop_after_step()
@@ -306,9 +325,8 @@ class PeerDaemon:
             self.discovery.shutdown()
         if self.driver is not None:
             self.driver.cancel()
-        for link in (self.upstream, self.downstream):
-            if link is not None:
-                link.close()
+        for link in [*self.upstreams.values(), *self.downstreams.values()]:
+            link.close()
         for task in self._tasks:
             task.cancel()
         if self._server is not None:
@@ -349,13 +367,17 @@ class PeerDaemon:
         if self.runner.is_first:
             self.driver = Driver(self, train_cfg, model_cfg, hf)
             await self.run_compute(self.driver.load_data)
+        ups, downs, replicas = neighbours(a)
+        self._setup_replicas(a, train_cfg, ups, downs, replicas)
         self._dial_tasks = []
-        if a.downstream_endpoint and not a.accept_downstream:
-            self._dial_tasks.append(asyncio.create_task(self._dial(a, self.generation, "downstream")))
-        if a.upstream_endpoint and a.dial_upstream:  # we are behind NAT: we open the link to our upstream
-            self._dial_tasks.append(asyncio.create_task(self._dial(a, self.generation, "upstream")))
+        if not a.accept_downstream:
+            for peer, endpoint in downs.items():
+                self._dial_tasks.append(asyncio.create_task(self._dial(self.generation, "downstream", peer, endpoint)))
+        if a.dial_upstream:  # we are behind NAT: we open the links to our upstream holders
+            for peer, endpoint in ups.items():
+                self._dial_tasks.append(asyncio.create_task(self._dial(self.generation, "upstream", peer, endpoint)))
         self._tasks.extend(self._dial_tasks)
-        if a.downstream_endpoint:  # dialled by us, or by a downstream peer behind NAT
+        if downs:  # dialled by us, or by downstream peers behind NAT
             await asyncio.wait_for(self.downstream_ready.wait(), self.settings.link_timeout)
         await self.report(ready=True)
         if self.discovery is not None and self.discovery.record is not None:
@@ -390,11 +412,13 @@ class PeerDaemon:
         for task in self._dial_tasks:
             task.cancel()
         self._dial_tasks = []
-        for link in (self.upstream, self.downstream):
-            if link is not None:
-                link.close()
-        self.upstream = self.downstream = None
+        for link in [*self.upstreams.values(), *self.downstreams.values()]:
+            link.close()
+        self.upstreams, self.downstreams = {}, {}
         self.downstream_ready = asyncio.Event()
+        self.router = self.split = self.shares = self.group = None
+        self._origin.clear()
+        self._sent.clear()
         self.assigned.clear()
         self.assignment = None
         self.runner = None
@@ -453,6 +477,7 @@ class PeerDaemon:
 
     async def _upload_state(self) -> None:
         assert self.runner is not None and self.assignment is not None
+        await self.final_average()
         await self.report()  # final stats reach the coordinator before the state does (its summary uses them)
         from swarm.wire import tensor_to_pb
 
@@ -473,13 +498,8 @@ class PeerDaemon:
         a = self.assignment
         return hello_packet(self.peer_id, a.stage if a else 0, a.run_id if a else "", PROTOCOL_VERSION)
 
-    async def _dial(self, a: cpb.Assignment, generation: int, side: str) -> None:
+    async def _dial(self, generation: int, side: str, peer: str, endpoint: str) -> None:
         """Open the link to a neighbour (``side``: "downstream" normally, "upstream" when we are behind NAT)."""
-        peer, endpoint = (
-            (a.downstream_peer, a.downstream_endpoint)
-            if side == "downstream"
-            else (a.upstream_peer, a.upstream_endpoint)
-        )
         target = multiaddr_to_grpc_target(endpoint)
         channel = self.channel(target, peer)
         link = Link(f"{self.peer_id}->{peer}")
@@ -490,56 +510,178 @@ class PeerDaemon:
             hello = await read_hello(call, link, self.settings.link_timeout)
             if hello.peer_id != peer:
                 raise WireError(f"expected {side} peer {peer}, reached {hello.peer_id}")
-            if side == "downstream":
-                self.downstream = link
-                self.downstream_ready.set()
-            else:
-                self.upstream = link
+            if generation != self.generation:
+                return
+            self.attach(side, peer, link)
             await link.run(call, self.on_packet)
-            await self._link_failed(generation, f"{side} peer {peer} closed the link")
+            await self.link_closed(generation, side, peer, link, f"{side} peer {peer} closed the link")
         except (WireError, StageInputError) as e:
             self.refused += 1
             await refuse_client_stream(call, link, str(e))
-            await self._link_failed(generation, f"refused a packet from {side} {peer}: {e}")
+            await self.link_closed(generation, side, peer, link, f"refused a packet from {side} {peer}: {e}")
         except (TimeoutError, grpc.aio.AioRpcError, LinkClosed) as e:
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            await self._link_failed(generation, f"link to {side} {peer} at {target} failed: {detail}")
+            await self.link_closed(generation, side, peer, link, f"link to {side} {peer} at {target} failed: {detail}")
+        except Exception as e:  # a bug, not bad input: say so loudly, and let the coordinator recover
+            log.exception("link to %s %s failed", side, peer)
+            await self.link_closed(generation, side, peer, link, f"link to {side} {peer} failed: {e!r}")
         finally:
             await channel.close()
+
+    def attach(self, side: str, peer: str, link: Link) -> None:
+        """A link to a neighbour is up (dialled by us or accepted): it replaces any older one to that peer."""
+        table = self.downstreams if side == "downstream" else self.upstreams
+        old = table.get(peer)
+        if old is not None and old is not link and not old.closed.is_set():
+            old.close()
+        table[peer] = link
+        if side == "downstream" and self.assignment_downstreams() <= set(self.downstreams):
+            self.downstream_ready.set()
+
+    def assignment_downstreams(self) -> set[str]:
+        return set(neighbours(self.assignment)[1]) if self.assignment is not None else set()
+
+    async def link_closed(
+        self, generation: int, side: str, peer: str, link: Link, reason: str, *, report: bool = True
+    ) -> None:
+        """A neighbour's link ended. A vanished replica is routed around; a lost only neighbour is a fault."""
+        table = self.downstreams if side == "downstream" else self.upstreams
+        if table.get(peer) is link:
+            del table[peer]
+        if generation != self.generation or self.stopping.is_set():
+            return
+        if table.get(peer) is not None:  # it dialled again: the new link replaced this one
+            return
+        if table and not (side == "downstream" and self.router is None):
+            log.warning("%s; %d other holder(s) of that block remain: routing around it", reason, len(table))
+            if side == "downstream":
+                await self._lose_downstream(peer)
+            elif self.shares is not None:
+                await self._expect_shares(self.shares.remove(peer))
+            return
+        if report:
+            await self.fail(reason)
 
     async def _link_failed(self, generation: int, reason: str) -> None:
         """Report a broken link, unless it belonged to an assignment that was already replaced."""
         if generation == self.generation and not self.stopping.is_set():
             await self.fail(reason)
 
+    async def _lose_downstream(self, peer: str) -> None:
+        """A downstream replica vanished: its micro-batches will never come back; drop and count them."""
+        if self.router is None:
+            return
+        lost = self.router.remove(peer)
+        if self.split is not None:
+            self.split.remove(peer)
+        self.lost_micro_batches += len(lost)
+        for mb_id in lost:
+            mb = self._sent.pop(mb_id, None)
+            if mb is not None:
+                await self._on_gradients(pb.Gradients(mb=mb, dropped=True), None)
+
     async def on_packet(self, link: Link, packet: pb.Packet) -> None:
         """Route one packet from a neighbour; raises WireError/StageInputError for bad input."""
         kind = packet.WhichOneof("body")
         if self.runner is None:
             raise WireError("this peer has no block assigned yet")
+        sender = link.remote.peer_id if link.remote is not None else ""
         if kind == "activations":
-            if link is not self.upstream:
-                raise WireError("activations may only come from the upstream neighbour")
-            await self._on_activations(packet.activations)
+            if self.upstreams.get(sender) is not link:
+                raise WireError("activations may only come from an upstream neighbour")
+            await self._on_activations(packet.activations, sender)
         elif kind == "gradients":
-            if link is not self.downstream:
-                raise WireError("gradients may only come from the downstream neighbour")
-            await self._on_gradients(packet.gradients)
+            if self.downstreams.get(sender) is not link:
+                raise WireError("gradients may only come from a downstream neighbour")
+            await self._on_gradients(packet.gradients, sender)
+        elif kind == "step_end":
+            if self.upstreams.get(sender) is not link:
+                raise WireError("step markers may only come from an upstream neighbour")
+            if self.shares is None:
+                raise WireError("step marker sent to a block that has no replicas")
+            try:
+                ready = self.shares.marker(packet.step_end.step, sender, packet.step_end.count)
+            except ValueError as e:
+                raise WireError(str(e)) from None
+            await self._expect_shares(ready)
         elif kind == "hello":
             raise WireError("unexpected second hello on an open link")
         else:
             raise WireError(f"unexpected packet kind {kind!r}")
 
-    async def _on_activations(self, act: pb.Activations) -> None:
-        target_down, target_up, generation = self.downstream, self.upstream, self.generation
+    async def _expect_shares(self, ready: list[tuple[int, int]]) -> None:
+        """This replica's share of some steps is now known: its optimizer may step, its markers go on."""
+        runner = self.runner
+        for step, share in ready:
+            if self.split is not None:
+                self.split.expect(step, share)
+            await self.run_compute(runner.expect, share, priority=BACKWARD)
+        await self._send_step_ends()
+
+    async def _send_step_ends(self) -> None:
+        if self.split is None:
+            return
+        for step, counts in self.split.complete():
+            for peer, count in counts.items():
+                link = self.downstreams.get(peer)
+                if link is not None and not link.closed.is_set():
+                    try:
+                        await link.send(pb.Packet(step_end=pb.StepEnd(step=step, count=count)))
+                    except LinkClosed:
+                        pass  # that holder is gone; its upstream-loss handling covers the step
+
+    async def send_down(self, packet: pb.Packet) -> None:
+        """Send activations to one holder of the next block: the one expected to finish it first."""
+        mb = packet.activations.mb
+        peer = self.router.choose()
+        self.router.sent(peer, mb.id)
+        self._sent[mb.id] = mb
+        try:
+            await self.downstreams[peer].send(packet)
+        except (KeyError, LinkClosed):  # vanished between choice and send: its link handling drops it
+            pass
+        if self.split is not None and not mb.eval:
+            self.split.forwarded(mb.step, peer)
+            await self._send_step_ends()
+
+    async def send_up(self, packet: pb.Packet) -> None:
+        """Send a gradient (or an eval loss) back to exactly the holder that sent us its forward."""
+        peer = self._origin.pop(packet.gradients.mb.id, None)
+        link = self.upstreams.get(peer) if peer is not None else None
+        if link is None and len(self.upstreams) == 1 and peer is None:
+            link = next(iter(self.upstreams.values()))
+        if link is None or link.closed.is_set():
+            return  # that upstream holder vanished; our own weights already have this gradient
+        try:
+            await link.send(packet)
+        except LinkClosed:
+            pass
+
+    async def _on_activations(self, act: pb.Activations, sender: str) -> None:
+        generation = self.generation
+        self._origin[act.mb.id] = sender
+        if self.shares is not None and not act.mb.eval:
+            self.shares.received(act.mb.step, sender)
         packet = await self.run_compute(self._forward_job, act, self.runner, priority=FORWARD)
         if generation != self.generation:  # re-assigned meanwhile: this micro-batch belongs to the old plan
             return
-        await (target_down if packet.WhichOneof("body") == "activations" else target_up).send(packet)
+        if packet.WhichOneof("body") == "activations":
+            await self.send_down(packet)
+        else:
+            await self.send_up(packet)
 
-    def _forward_job(self, act: pb.Activations, runner: StageRunner) -> pb.Packet:
+    def _slow(self, runner: StageRunner) -> None:
         if self.settings.slowdown:
             time.sleep(self.settings.slowdown)
+        if self.settings.slow_layers is not None and self.assignment is not None:
+            a, b, seconds = self.settings.slow_layers
+            overlap = min(b, self.assignment.layer_end) - max(a, self.assignment.layer_start)
+            if overlap > 0:
+                time.sleep(seconds * overlap)
+
+    def _forward_job(self, act: pb.Activations, runner: StageRunner) -> pb.Packet:
+        if not act.mb.eval:
+            self._slow(runner)
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
         result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
@@ -550,27 +692,138 @@ class PeerDaemon:
             return self.policy.activations(mb, result.output, targets)
         return self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens)
 
-    async def _on_gradients(self, g: pb.Gradients) -> None:
+    async def _on_gradients(self, g: pb.Gradients, sender: str | None) -> None:
+        if self.router is not None and sender is not None:
+            self.router.returned(g.mb.id)
+        self._sent.pop(g.mb.id, None)
         if self.driver is not None:
             await self.driver.on_gradients(g)
             return
-        target, generation = self.upstream, self.generation
+        generation = self.generation
         packet = await self.run_compute(self._backward_job, g, self.runner, priority=BACKWARD)
-        if generation == self.generation and target is not None:
-            await target.send(packet)
+        if generation == self.generation:
+            await self.send_up(packet)
 
     def _backward_job(self, g: pb.Gradients, runner: StageRunner) -> pb.Packet:
         if g.mb.eval:
             return self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
         grad = None if g.dropped else self.policy.decode(g.grad)
+        if grad is not None:
+            self._slow(runner)
         result = runner.backward(g.mb.id, grad)
         if result.dropped:
             return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
         return self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens)
 
+    # ---- replicas -------------------------------------------------------------------------------
+    def _setup_replicas(self, a: cpb.Assignment, train_cfg, ups: dict, downs: dict, replicas: dict) -> None:
+        """Routing towards the next block, step shares and averaging when blocks have several holders."""
+        self.router = ReplicaRouter(list(downs)) if downs else None
+        replicated = len(replicas) > 1
+        if len(downs) > 1:
+            self.split = SenderSplit(list(downs), fixed=None if replicated else train_cfg.micro_batches)
+        if not replicated:
+            return
+        if a.stage == 0:
+            raise AssignmentError("the first block (the data source) cannot have replicas")
+        self.runner.use_quotas()
+        self.runner.start_averaging()
+        self.anchor_digest = self.runner.anchor_digest()
+        self.shares = UpstreamShares(list(ups))
+        self.group = AverageGroup(
+            self.peer_id,
+            {p: multiaddr_to_grpc_target(e) for p, e in replicas.items()},
+            run_id=a.run_id,
+            layers=(a.layer_start, a.layer_end),
+            shapes={n: tuple(t.shape) for n, t in self.runner.anchor.items()},
+            codec=train_cfg.average_codec,
+            timeout=train_cfg.average_timeout,
+            channel=self.channel,
+            generation=self.generation,
+        )
+        self._tasks.append(asyncio.create_task(self._average_loop(self.generation, train_cfg), name="average"))
+
+    async def _on_update(self, a: cpb.Assignment) -> None:
+        """Same block, fewer neighbours or replicas (one left): forget the gone ones, keep training."""
+        current = self.assignment
+        if current is None or (a.stage, a.layer_start, a.layer_end, a.run_id) != (
+            current.stage,
+            current.layer_start,
+            current.layer_end,
+            current.run_id,
+        ):
+            raise AssignmentError("an update must keep this peer's block; the coordinator sent another")
+        await self._check_against_plan(a)
+        ups, downs, replicas = neighbours(a)
+        generation = self.generation
+        for peer in [p for p in self.downstreams if p not in downs]:
+            link = self.downstreams[peer]
+            link.close()
+            await self.link_closed(generation, "downstream", peer, link, f"{peer} left the plan", report=False)
+        for peer in [p for p in self.upstreams if p not in ups]:
+            link = self.upstreams[peer]
+            link.close()
+            await self.link_closed(generation, "upstream", peer, link, f"{peer} left the plan", report=False)
+        if self.router is not None:
+            for peer in [p for p in self.router.peers if p not in downs]:
+                await self._lose_downstream(peer)
+        if self.shares is not None:
+            for peer in [p for p in self.shares.upstreams if p not in ups]:
+                await self._expect_shares(self.shares.remove(peer))
+        if self.group is not None:
+            self.group.set_members({p: multiaddr_to_grpc_target(e) for p, e in replicas.items()})
+        self.assignment = a
+        log.info("plan updated: upstream %s, downstream %s, replicas %s", sorted(ups), sorted(downs), sorted(replicas))
+
+    async def _average_loop(self, generation: int, train_cfg) -> None:
+        """Every T local steps, average this block's change with its replicas, in the background."""
+        every = train_cfg.average_every
+        next_round = 1
+        while generation == self.generation and not self.stopping.is_set():
+            runner = self.runner
+            if runner is None or runner.version < next_round * every:
+                self._stepped.clear()
+                await self._stepped.wait()
+                continue
+            async with self._avg_lock:
+                if generation != self.generation:
+                    return
+                next_round = runner.version // every
+                await self._average_round(next_round, generation, train_cfg)
+            next_round += 1
+
+    async def _average_round(self, number: int, generation: int, train_cfg) -> bool:
+        runner, group = self.runner, self.group
+        own = await self.run_compute(runner.average_delta, priority=BACKWARD)
+        result = await group.contribute(number, own)
+        if result is None or generation != self.generation:
+            return False
+        average, contributors = result
+
+        def apply() -> str:
+            runner.apply_average(average, own, train_cfg.outer_lr, train_cfg.outer_momentum)
+            return runner.anchor_digest()
+
+        self.anchor_digest = await self.run_compute(apply, priority=BACKWARD)
+        group.rounds_applied += 1
+        log.info(
+            "average round %d applied (%s); agreed parameters %s", number, ", ".join(contributors), self.anchor_digest
+        )
+        return True
+
+    async def final_average(self) -> None:
+        """At the end of a run: one last round with training stopped, so every replica holds the same weights."""
+        if self.group is None or self.runner is None:
+            return
+        async with self._avg_lock:
+            await self._average_round(FINAL_ROUND + self.runner.version, self.generation, self._train_cfg())
+
+    def _train_cfg(self):
+        return assignment_configs(self.assignment)[1]
+
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> cpb.StageStats:
-        links = [lk for lk in (self.upstream, self.downstream) if lk is not None]
+        links = [*self.upstreams.values(), *self.downstreams.values()]
         r = self.runner
         return cpb.StageStats(
             forward_micro_batches=r.metrics.forward if r else 0,
@@ -586,6 +839,10 @@ class PeerDaemon:
             wall_seconds=time.monotonic() - self.compute.started,
             stash_bytes_peak=r.metrics.stash_bytes_peak if r else 0,
             in_flight_peak=r.metrics.in_flight_peak if r else 0,
+            average_rounds=self.group.rounds_applied if self.group else 0,
+            average_bytes=self.group.bytes if self.group else 0,
+            anchor_digest=self.anchor_digest,
+            lost_micro_batches=self.lost_micro_batches,
         )
 
     async def report(self, **fields) -> None:

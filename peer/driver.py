@@ -158,7 +158,7 @@ class Driver:
             self._account(mb, result.loss_sum, result.tokens, dropped=False)
             return
         packet = await d.run_compute(d.policy.activations, mb, result.output, y, priority=FORWARD)
-        await d.downstream.send(packet)
+        await d.send_down(packet)
 
     async def on_gradients(self, g: pb.Gradients) -> None:
         """A gradient (or an eval loss, or a drop) came back from stage 1."""

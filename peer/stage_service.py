@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from peer.averaging import AverageRefused
 from swarm.auth import authenticated_peer
 from swarm.config import PROTOCOL_VERSION
+from swarm.messages import assignment_neighbours as neighbours
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.stage_runner import StageInputError
 from swarm.transport import Link, LinkClosed, fail_server_stream, read_hello
@@ -68,26 +70,22 @@ class StageService(wgrpc.StageServicer):
                 f"run {hello.run_id!r} is not this peer's run {a.run_id!r}",
             )
             return
-        from_downstream = bool(a.accept_downstream) and hello.peer_id == a.downstream_peer
-        if hello.peer_id != a.upstream_peer and not from_downstream:
+        ups, downs, _ = neighbours(a)
+        from_downstream = bool(a.accept_downstream) and hello.peer_id in downs
+        if hello.peer_id not in ups and not from_downstream:
             await fail_server_stream(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"peer {hello.peer_id!r} is not this stage's upstream neighbour {a.upstream_peer!r}"
-                + (f" nor its downstream neighbour {a.downstream_peer!r}" if a.accept_downstream else ""),
+                f"peer {hello.peer_id!r} is not an upstream neighbour of this stage "
+                f"({', '.join(sorted(ups)) or 'none'})"
+                + (f" nor a downstream one ({', '.join(sorted(downs))})" if a.accept_downstream else ""),
             )
             return
         link.name = f"{d.peer_id}<-{hello.peer_id}"
+        link.remote = hello
         generation = d.generation
-        if from_downstream:  # a downstream neighbour behind NAT dialled us
-            if d.downstream is not None and not d.downstream.closed.is_set():
-                d.downstream.close()
-            d.downstream = link
-            d.downstream_ready.set()
-        else:
-            if d.upstream is not None and not d.upstream.closed.is_set():
-                d.upstream.close()
-            d.upstream = link
+        side = "downstream" if from_downstream else "upstream"
+        d.attach(side, hello.peer_id, link)
         for frame in split_packet(d.hello(), 0):
             await context.write(frame)
         try:
@@ -97,10 +95,30 @@ class StageService(wgrpc.StageServicer):
             await fail_server_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except LinkClosed as e:
             log.warning("%s", e)
-        finally:
-            if d.upstream is link:
-                d.upstream = None
-            if d.downstream is link:
-                d.downstream = None
-        if from_downstream:  # we wait for this neighbour's gradients: its loss is ours to report
-            await d._link_failed(generation, f"downstream peer {hello.peer_id} (behind NAT) closed its link")
+        except Exception:  # a bug, not bad input: say so loudly; the link ends and recovery takes over
+            log.exception("link from %s failed", hello.peer_id)
+        # a downstream neighbour behind NAT: we wait for its gradients, so losing it is ours to report;
+        # an upstream one: a lone upstream's loss is reported by whoever sees its process die
+        await d.link_closed(
+            generation,
+            side,
+            hello.peer_id,
+            link,
+            f"{side} peer {hello.peer_id} closed its link",
+            report=from_downstream,
+        )
+
+    async def Average(self, request, context: grpc.aio.ServicerContext):  # noqa: N802 - gRPC name
+        """A replica of our block sends its parameter change; answer with the round's agreed average."""
+        d = self.daemon
+        proven = authenticated_peer(context)
+        sender = request.peer_id
+        if proven is not None and proven != sender:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"signed by {proven!r} but claims {sender!r}")
+        group = d.group
+        if group is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this peer holds no replicated block")
+        try:
+            return await group.collect(request, sender)
+        except AverageRefused as e:
+            await context.abort(e.code, str(e))

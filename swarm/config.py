@@ -79,6 +79,11 @@ class TrainConfig:
     checkpoint_every: int = 0
     wire_forward: str = "fp32"
     wire_backward: str = "fp32"
+    average_every: int = 10  # T: replicas of a block average their parameter change every T local steps
+    average_codec: str = "int8"
+    outer_lr: float = 1.0  # DiLoCo outer step on the averaged change; 1 with no momentum is plain averaging
+    outer_momentum: float = 0.0  # Nesterov momentum of the outer step
+    average_timeout: float = 30.0  # seconds a round's leader waits for the other replicas
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +93,10 @@ class TrainConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; available: {', '.join(SCHEDULES)}")
         if self.max_staleness < 0 or self.max_in_flight < 0:
             raise ValueError("max_staleness and max_in_flight must not be negative")
+        if self.average_every <= 0 or self.average_timeout <= 0 or self.outer_lr <= 0:
+            raise ValueError("average_every, average_timeout and outer_lr must be positive")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.schedule == "sync" and self.max_staleness:
             raise ValueError("the sync schedule has no staleness: use --schedule async with --max-staleness")
 

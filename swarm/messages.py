@@ -21,7 +21,11 @@ def model_to_pb(cfg: ModelConfig) -> cpb.ModelConfig:
 
 def model_from_pb(m: cpb.ModelConfig) -> ModelConfig:
     return ModelConfig(
-        n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, vocab_size=m.vocab_size, context=m.context,
+        n_layers=m.n_layers,
+        d_model=m.d_model,
+        n_heads=m.n_heads,
+        vocab_size=m.vocab_size,
+        context=m.context,
         seed=m.seed,
     )
 
@@ -45,6 +49,11 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         weight_stashing=cfg.weight_stashing,
         max_in_flight=cfg.max_in_flight,
         checkpoint_every=cfg.checkpoint_every,
+        average_every=cfg.average_every,
+        average_codec=codec_to_pb(cfg.average_codec),
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        average_timeout=cfg.average_timeout,
     )
 
 
@@ -68,23 +77,52 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
         weight_stashing=t.weight_stashing,
         max_in_flight=t.max_in_flight,
         checkpoint_every=t.checkpoint_every,
+        average_every=t.average_every or 10,
+        average_codec=codec_from_pb(t.average_codec) if t.average_codec else "int8",
+        outer_lr=t.outer_lr or 1.0,
+        outer_momentum=t.outer_momentum,
+        average_timeout=t.average_timeout or 30.0,
     )
 
 
 def hf_to_pb(cfg: HFConfig) -> cpb.HFConfig:
-    return cpb.HFConfig(path=cfg.path, dtype=cfg.dtype, int8=cfg.int8, lora_rank=cfg.lora_rank,
-                        lora_alpha=cfg.lora_alpha, lora_targets=list(cfg.lora_targets),
-                        config_sha256=cfg.config_sha256)
+    return cpb.HFConfig(
+        path=cfg.path,
+        dtype=cfg.dtype,
+        int8=cfg.int8,
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_targets=list(cfg.lora_targets),
+        config_sha256=cfg.config_sha256,
+    )
 
 
 def hf_from_pb(h: cpb.HFConfig) -> HFConfig:
-    return HFConfig(path=h.path, dtype=h.dtype, int8=h.int8, lora_rank=h.lora_rank, lora_alpha=h.lora_alpha,
-                    lora_targets=tuple(h.lora_targets), config_sha256=h.config_sha256)
+    return HFConfig(
+        path=h.path,
+        dtype=h.dtype,
+        int8=h.int8,
+        lora_rank=h.lora_rank,
+        lora_alpha=h.lora_alpha,
+        lora_targets=tuple(h.lora_targets),
+        config_sha256=h.config_sha256,
+    )
 
 
 def assignment_configs(a: cpb.Assignment) -> tuple[ModelConfig, TrainConfig, HFConfig | None]:
     """The model, recipe and (when fine-tuning) checkpoint an assignment carries."""
     return model_from_pb(a.model), train_from_pb(a.train), hf_from_pb(a.hf) if a.HasField("hf") else None
+
+
+def assignment_neighbours(a: cpb.Assignment) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """(upstream holders, downstream holders, this block's holders) of an assignment, peer id -> endpoint."""
+    ups = {n.peer_id: n.endpoint for n in a.upstreams} or (
+        {a.upstream_peer: a.upstream_endpoint} if a.upstream_peer else {}
+    )
+    downs = {n.peer_id: n.endpoint for n in a.downstreams} or (
+        {a.downstream_peer: a.downstream_endpoint} if a.downstream_peer else {}
+    )
+    return ups, downs, {n.peer_id: n.endpoint for n in a.replicas}
 
 
 class AssignmentError(ValueError):
@@ -102,16 +140,23 @@ def check_assignment(a: cpb.Assignment, plan: Plan, peer_id: str) -> None:
     down = stages[index + 1].peers if index + 1 < len(stages) else []
     problems = []
     if (a.stage, a.num_stages, a.layer_start, a.layer_end) != (index, len(stages), st.layer_start, st.layer_end):
-        problems.append(f"stage {a.stage}/{a.num_stages} layers [{a.layer_start},{a.layer_end}) vs signed "
-                        f"{index}/{len(stages)} [{st.layer_start},{st.layer_end})")
+        problems.append(
+            f"stage {a.stage}/{a.num_stages} layers [{a.layer_start},{a.layer_end}) vs signed "
+            f"{index}/{len(stages)} [{st.layer_start},{st.layer_end})"
+        )
     if a.run_id != plan.run_id:
         problems.append(f"run {a.run_id!r} vs signed {plan.run_id!r}")
-    if a.upstream_peer and (a.upstream_peer, a.upstream_endpoint) not in {(p.peer_id, p.endpoint) for p in up}:
-        problems.append(f"upstream {a.upstream_peer} at {a.upstream_endpoint} is not in the signed plan")
-    if a.downstream_peer and (a.downstream_peer, a.downstream_endpoint) not in {(p.peer_id, p.endpoint) for p in down}:
-        problems.append(f"downstream {a.downstream_peer} at {a.downstream_endpoint} is not in the signed plan")
-    if bool(a.upstream_peer) != bool(up) or bool(a.downstream_peer) != bool(down):
-        problems.append("neighbours differ from the signed plan")
+    ups, downs, replicas = assignment_neighbours(a)
+    for what, got, signed in (("upstream", ups, up), ("downstream", downs, down), ("replica", replicas, st.peers)):
+        signed_set = {(p.peer_id, p.endpoint) for p in signed}
+        if set(got.items()) - signed_set:
+            problems.append(
+                f"{what} holders {sorted(set(got) - {p for p, _ in signed_set})} are not in the signed plan"
+            )
+        if what != "replica" and bool(got) != bool(signed):
+            problems.append("neighbours differ from the signed plan")
+    if len(replicas) > 1 and peer_id not in replicas:
+        problems.append("the replica list does not name this peer")
     me = next(p for p in st.peers if p.peer_id == peer_id)
     if a.dial_upstream != (bool(up) and not me.reachable) or a.accept_downstream != (
         bool(down) and not all(p.reachable for p in down)

@@ -7,7 +7,9 @@ stays a thin shell. It is not thread-safe: the daemon calls it from one compute 
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +85,9 @@ class StageRunner:
         self._stash: dict[int, dict[str, torch.Tensor]] = {}
         self.pending_checkpoint: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._backwards = 0
+        self._quotas: deque[int] | None = None  # a replica: gradients per step, learned from step markers
+        self.anchor: dict[str, torch.Tensor] | None = None  # a replica: parameters the group last agreed on
+        self._outer_momentum: dict[str, torch.Tensor] = {}
 
     @property
     def is_first(self) -> bool:
@@ -203,10 +208,11 @@ class StageRunner:
         if grad_output is None or staleness > self.train_cfg.staleness_bound:
             self.metrics.dropped += 1
             self._release_stash(version)
-            return BackwardResult(dropped=True, staleness=staleness)
+            stepped = self.count_lost()  # a replica's share counts its drops: its steps must not lag
+            return BackwardResult(dropped=True, staleness=staleness, stepped=stepped)
         t0 = time.perf_counter()
         grad = grad_output.to(device=self.device, dtype=torch.float32)
-        if staleness == 0:
+        if staleness == 0 and out is not None:
             out.backward(grad)
             input_grad = None if self.is_first else x_in.grad
         else:
@@ -253,10 +259,92 @@ class StageRunner:
     def _after_backward(self, staleness: int) -> bool:
         self.metrics.staleness[staleness] = self.metrics.staleness.get(staleness, 0) + 1
         self._backwards += 1
+        if self._quotas is not None:
+            return self._step_by_quota()
         if self._backwards >= self.train_cfg.micro_batches:
             self.step()
             return True
         return False
+
+    # ---- replicas -------------------------------------------------------------------------------
+    def use_quotas(self) -> None:
+        """This block has several holders: step after this replica's share of each step, not after K."""
+        self._quotas = deque()
+
+    def expect(self, count: int) -> bool:
+        """The next step's share of this replica is ``count`` gradients (zero included); True if it stepped."""
+        if self._quotas is None:
+            raise RuntimeError("expect() is for replicas; call use_quotas() first")
+        self._quotas.append(count)
+        return self._step_by_quota()
+
+    def count_lost(self) -> bool:
+        """A micro-batch of this replica's share will never come back (its holder vanished)."""
+        if self._quotas is None:
+            return False
+        self._backwards += 1
+        return self._step_by_quota()
+
+    def _step_by_quota(self) -> bool:
+        stepped = False
+        while self._quotas and self._backwards >= self._quotas[0]:
+            self._backwards -= self._quotas.popleft()
+            self.step()
+            stepped = True
+        return stepped
+
+    def _named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def start_averaging(self) -> None:
+        """Remember the parameters every replica starts from (same seed or same checkpoint)."""
+        self.anchor = {n: p.detach().clone() for n, p in self._named_trainable()}
+        self._outer_momentum = {}
+
+    def average_delta(self) -> dict[str, torch.Tensor]:
+        """This replica's change since the last agreed parameters: what it contributes to an average."""
+        if self.anchor is None:
+            raise RuntimeError("start_averaging() first")
+        return {n: (p.detach() - self.anchor[n]).cpu() for n, p in self._named_trainable()}
+
+    def apply_average(
+        self, average: dict[str, torch.Tensor], own: dict[str, torch.Tensor], outer_lr: float, momentum: float
+    ) -> None:
+        """Move to the group's agreed parameters, keeping the local progress made since ``own`` was taken.
+
+        The outer step is DiLoCo's: the averaged change, scaled by ``outer_lr``, with optional Nesterov
+        momentum. Every replica applies the same bytes to the same anchor, so the anchors agree exactly.
+        """
+        if self.anchor is None:
+            raise RuntimeError("start_averaging() first")
+        missing = set(self.anchor) - set(average)
+        if missing:
+            raise ValueError(f"the average lacks {sorted(missing)[:3]}")
+        for mb, (x_in, _, v) in list(self._pending.items()):  # their graphs die with this in-place update
+            self._pending[mb] = (x_in, None, v)
+        with torch.no_grad():
+            for name, p in self._named_trainable():
+                change = average[name].to(device=p.device, dtype=p.dtype)
+                if tuple(change.shape) != tuple(p.shape) or not bool(torch.isfinite(change).all()):
+                    raise ValueError(f"the average of {name} has shape {list(change.shape)} or non-finite values")
+                if momentum:
+                    m = self._outer_momentum.get(name)
+                    m = change.clone() if m is None else m.mul_(momentum).add_(change)
+                    self._outer_momentum[name] = m
+                    change = change + momentum * m
+                step = change * outer_lr
+                p.add_(step - own[name].to(device=p.device, dtype=p.dtype))
+                self.anchor[name].add_(step)
+
+    def anchor_digest(self) -> str:
+        """A fingerprint of the agreed parameters: equal on every replica after each average."""
+        if self.anchor is None:
+            return ""
+        h = hashlib.sha256()
+        for name in sorted(self.anchor):
+            h.update(name.encode())
+            h.update(self.anchor[name].detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def step(self) -> None:
         """Apply the accumulated gradients; the weight version counts these steps."""
@@ -327,6 +415,10 @@ class StageRunner:
         self._pending.clear()
         self._stash.clear()
         self._backwards = 0
+        if self._quotas is not None:
+            self._quotas.clear()
+        if self.anchor is not None:
+            self.start_averaging()
 
 
 def _count(targets: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ class ModelConfig(_message.Message):
     def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., vocab_size: _Optional[int] = ..., context: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "weight_stashing", "max_in_flight", "checkpoint_every")
+    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "weight_stashing", "max_in_flight", "checkpoint_every", "average_every", "average_codec", "outer_lr", "outer_momentum", "average_timeout")
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,11 @@ class TrainConfig(_message.Message):
     WEIGHT_STASHING_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_CODEC_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     micro_batches: int
     micro_batch_size: int
     lr: float
@@ -59,7 +64,12 @@ class TrainConfig(_message.Message):
     weight_stashing: bool
     max_in_flight: int
     checkpoint_every: int
-    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., weight_stashing: _Optional[bool] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    average_every: int
+    average_codec: _wire_pb2.Codec
+    outer_lr: float
+    outer_momentum: float
+    average_timeout: float
+    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., weight_stashing: _Optional[bool] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., average_every: _Optional[int] = ..., average_codec: _Optional[_Union[_wire_pb2.Codec, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_timeout: _Optional[float] = ...) -> None: ...
 
 class HFConfig(_message.Message):
     __slots__ = ("path", "dtype", "int8", "lora_rank", "lora_alpha", "lora_targets", "config_sha256")
@@ -96,7 +106,7 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., device: _Optional[str] = ..., free_memory: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version", "dial_upstream", "accept_downstream")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version", "dial_upstream", "accept_downstream", "upstreams", "downstreams", "replicas")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +122,9 @@ class Assignment(_message.Message):
     RESTORE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DIAL_UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAMS_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAMS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -127,7 +140,18 @@ class Assignment(_message.Message):
     restore_version: int
     dial_upstream: bool
     accept_downstream: bool
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ..., dial_upstream: _Optional[bool] = ..., accept_downstream: _Optional[bool] = ...) -> None: ...
+    upstreams: _containers.RepeatedCompositeFieldContainer[Neighbour]
+    downstreams: _containers.RepeatedCompositeFieldContainer[Neighbour]
+    replicas: _containers.RepeatedCompositeFieldContainer[Neighbour]
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ..., dial_upstream: _Optional[bool] = ..., accept_downstream: _Optional[bool] = ..., upstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., downstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ...) -> None: ...
+
+class Neighbour(_message.Message):
+    __slots__ = ("peer_id", "endpoint")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    endpoint: str
+    def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class Start(_message.Message):
     __slots__ = ("first_step", "num_steps")
@@ -154,21 +178,23 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("assign", "start", "collect_state", "shutdown", "stop_training")
+    __slots__ = ("assign", "start", "collect_state", "shutdown", "stop_training", "update")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     COLLECT_STATE_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     STOP_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     assign: Assignment
     start: Start
     collect_state: CollectState
     shutdown: Shutdown
     stop_training: StopTraining
-    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stop_training: _Optional[_Union[StopTraining, _Mapping]] = ...) -> None: ...
+    update: Assignment
+    def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stop_training: _Optional[_Union[StopTraining, _Mapping]] = ..., update: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "stash_bytes_peak", "in_flight_peak")
+    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "stash_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches")
     FORWARD_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +208,10 @@ class StageStats(_message.Message):
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STASH_BYTES_PEAK_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_PEAK_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LOST_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     forward_micro_batches: int
     backward_micro_batches: int
     bytes_sent: int
@@ -195,7 +225,11 @@ class StageStats(_message.Message):
     wall_seconds: float
     stash_bytes_peak: int
     in_flight_peak: int
-    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., stash_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ...) -> None: ...
+    average_rounds: int
+    average_bytes: int
+    anchor_digest: str
+    lost_micro_batches: int
+    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., stash_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "loss", "tokens", "seconds")

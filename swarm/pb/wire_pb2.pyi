@@ -121,17 +121,27 @@ class Refusal(_message.Message):
     reason: str
     def __init__(self, mb_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class StepEnd(_message.Message):
+    __slots__ = ("step", "count")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    count: int
+    def __init__(self, step: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
 class Packet(_message.Message):
-    __slots__ = ("hello", "activations", "gradients", "refusal")
+    __slots__ = ("hello", "activations", "gradients", "refusal", "step_end")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_END_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     activations: Activations
     gradients: Gradients
     refusal: Refusal
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., gradients: _Optional[_Union[Gradients, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+    step_end: StepEnd
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., gradients: _Optional[_Union[Gradients, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ..., step_end: _Optional[_Union[StepEnd, _Mapping]] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("packet_id", "data", "last", "total_size")
@@ -144,3 +154,39 @@ class Frame(_message.Message):
     last: bool
     total_size: int
     def __init__(self, packet_id: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_size: _Optional[int] = ...) -> None: ...
+
+class Delta(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AverageRequest(_message.Message):
+    __slots__ = ("run_id", "round", "layer_start", "layer_end", "deltas", "generation", "peer_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    layer_start: int
+    layer_end: int
+    deltas: _containers.RepeatedCompositeFieldContainer[Delta]
+    generation: int
+    peer_id: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., generation: _Optional[int] = ..., peer_id: _Optional[str] = ...) -> None: ...
+
+class AverageReply(_message.Message):
+    __slots__ = ("round", "deltas", "contributors")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    deltas: _containers.RepeatedCompositeFieldContainer[Delta]
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[Delta, _Mapping]]] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...

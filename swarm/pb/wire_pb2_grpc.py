@@ -39,6 +39,11 @@ class StageStub:
                 request_serializer=wire__pb2.Frame.SerializeToString,
                 response_deserializer=wire__pb2.Frame.FromString,
                 _registered_method=True)
+        self.Average = channel.unary_unary(
+                '/ravn.wire.Stage/Average',
+                request_serializer=wire__pb2.AverageRequest.SerializeToString,
+                response_deserializer=wire__pb2.AverageReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -51,6 +56,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Average(self, request, context):
+        """Replicas of one block send their parameter change to the group's leader, which answers with the average.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +70,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Link,
                     request_deserializer=wire__pb2.Frame.FromString,
                     response_serializer=wire__pb2.Frame.SerializeToString,
+            ),
+            'Average': grpc.unary_unary_rpc_method_handler(
+                    servicer.Average,
+                    request_deserializer=wire__pb2.AverageRequest.FromString,
+                    response_serializer=wire__pb2.AverageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +104,33 @@ class Stage:
             '/ravn.wire.Stage/Link',
             wire__pb2.Frame.SerializeToString,
             wire__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Average(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ravn.wire.Stage/Average',
+            wire__pb2.AverageRequest.SerializeToString,
+            wire__pb2.AverageReply.FromString,
             options,
             channel_credentials,
             insecure,
