@@ -598,7 +598,7 @@ class PeerDaemon:
             if self.upstreams.get(sender) is not link:
                 raise WireError("step markers may only come from an upstream neighbour")
             if self.shares is None:
-                raise WireError("step marker sent to a block that has no replicas")
+                raise WireError("step marker sent to a stage that sees every micro-batch (no replicas before it)")
             try:
                 ready = self.shares.marker(packet.step_end.step, sender, packet.step_end.count)
             except ValueError as e:
@@ -660,9 +660,7 @@ class PeerDaemon:
     async def _on_activations(self, act: pb.Activations, sender: str) -> None:
         generation = self.generation
         self._origin[act.mb.id] = sender
-        if self.shares is not None and not act.mb.eval:
-            self.shares.received(act.mb.step, sender)
-        packet = await self.run_compute(self._forward_job, act, self.runner, priority=FORWARD)
+        packet = await self.run_compute(self._forward_job, act, self.runner, sender, priority=FORWARD)
         if generation != self.generation:  # re-assigned meanwhile: this micro-batch belongs to the old plan
             return
         if packet.WhichOneof("body") == "activations":
@@ -679,12 +677,15 @@ class PeerDaemon:
             if overlap > 0:
                 time.sleep(seconds * overlap)
 
-    def _forward_job(self, act: pb.Activations, runner: StageRunner) -> pb.Packet:
+    def _forward_job(self, act: pb.Activations, runner: StageRunner, sender: str = "") -> pb.Packet:
         if not act.mb.eval:
             self._slow(runner)
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
         result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
+        shares = self.shares
+        if shares is not None and not act.mb.eval:
+            shares.received(act.mb.step, sender)
         if result.output is not None:
             mb = pb.MicroBatch()
             mb.CopyFrom(act.mb)
@@ -720,16 +721,18 @@ class PeerDaemon:
         """Routing towards the next block, step shares and averaging when blocks have several holders."""
         self.router = ReplicaRouter(list(downs)) if downs else None
         replicated = len(replicas) > 1
-        if len(downs) > 1:
-            self.split = SenderSplit(list(downs), fixed=None if replicated else train_cfg.micro_batches)
+        partial = replicated or len(ups) > 1  # not every micro-batch passes here: count shares from markers
+        if downs and (len(downs) > 1 or replicated):  # the next stage counts shares: tell it ours
+            self.split = SenderSplit(list(downs), fixed=None if partial else train_cfg.micro_batches)
+        if partial:
+            self.runner.use_quotas()
+            self.shares = UpstreamShares(list(ups))
         if not replicated:
             return
         if a.stage == 0:
             raise AssignmentError("the first block (the data source) cannot have replicas")
-        self.runner.use_quotas()
         self.runner.start_averaging()
         self.anchor_digest = self.runner.anchor_digest()
-        self.shares = UpstreamShares(list(ups))
         self.group = AverageGroup(
             self.peer_id,
             {p: multiaddr_to_grpc_target(e) for p, e in replicas.items()},
@@ -770,8 +773,11 @@ class PeerDaemon:
         if self.shares is not None:
             for peer in [p for p in self.shares.upstreams if p not in ups]:
                 await self._expect_shares(self.shares.remove(peer))
-        if self.group is not None:
+        if self.group is not None and len(replicas) > 1:
             self.group.set_members({p: multiaddr_to_grpc_target(e) for p, e in replicas.items()})
+        elif self.group is not None:  # the last other replica left: nothing to average with any more
+            log.info("no other replica of layers [%d, %d) is left: averaging stops", a.layer_start, a.layer_end)
+            self.group = None
         self.assignment = a
         log.info("plan updated: upstream %s, downstream %s, replicas %s", sorted(ups), sorted(downs), sorted(replicas))
 
@@ -794,6 +800,8 @@ class PeerDaemon:
 
     async def _average_round(self, number: int, generation: int, train_cfg) -> bool:
         runner, group = self.runner, self.group
+        if group is None or runner is None:
+            return False
         own = await self.run_compute(runner.average_delta, priority=BACKWARD)
         result = await group.contribute(number, own)
         if result is None or generation != self.generation:

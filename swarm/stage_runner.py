@@ -208,7 +208,7 @@ class StageRunner:
         if grad_output is None or staleness > self.train_cfg.staleness_bound:
             self.metrics.dropped += 1
             self._release_stash(version)
-            stepped = self.count_lost()  # a replica's share counts its drops: its steps must not lag
+            stepped = self.count_lost()  # a drop still belongs to its step: versions must not lag the data
             return BackwardResult(dropped=True, staleness=staleness, stepped=stepped)
         t0 = time.perf_counter()
         grad = grad_output.to(device=self.device, dtype=torch.float32)
@@ -268,7 +268,8 @@ class StageRunner:
 
     # ---- replicas -------------------------------------------------------------------------------
     def use_quotas(self) -> None:
-        """This block has several holders: step after this replica's share of each step, not after K."""
+        """Not every micro-batch passes here (replicas here or upstream): step after this stage's share of
+        each step, learned from step markers, not after K."""
         self._quotas = deque()
 
     def expect(self, count: int) -> bool:
@@ -279,11 +280,14 @@ class StageRunner:
         return self._step_by_quota()
 
     def count_lost(self) -> bool:
-        """A micro-batch of this replica's share will never come back (its holder vanished)."""
-        if self._quotas is None:
-            return False
+        """A micro-batch of this step will apply no gradient here (dropped, or its holder vanished)."""
         self._backwards += 1
-        return self._step_by_quota()
+        if self._quotas is not None:
+            return self._step_by_quota()
+        if self._backwards >= self.train_cfg.micro_batches:
+            self.step()
+            return True
+        return False
 
     def _step_by_quota(self) -> bool:
         stepped = False

@@ -11,6 +11,7 @@ holders of a block advance together with the data source's steps.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterable
 
@@ -61,27 +62,34 @@ class UpstreamShares:
         self._markers: dict[int, dict[str, int]] = {}
         self._received: dict[int, Counter] = {}
         self._done_through = -1
+        self._lock = threading.Lock()  # received() runs on the compute thread, with the forward it counts
 
     def received(self, step: int, upstream: str) -> None:
-        """An activation of ``step`` arrived from ``upstream`` (what a vanished sender is known to have sent)."""
-        self._received.setdefault(step, Counter())[upstream] += 1
+        """An activation of ``step`` from ``upstream`` was computed here (what a vanished sender is known to
+        have sent). Counted with the forward itself, so a cancelled or failed forward is never counted."""
+        with self._lock:
+            self._received.setdefault(step, Counter())[upstream] += 1
 
     def marker(self, step: int, upstream: str, count: int) -> list[tuple[int, int]]:
-        if upstream not in self.upstreams:
-            raise ValueError(f"step marker from {upstream!r}, which is not an upstream peer of this stage")
-        if step <= self._done_through:
-            raise ValueError(f"second step marker for step {step} from {upstream!r}")
-        self._markers.setdefault(step, {})[upstream] = count
-        return self._ready()
+        with self._lock:
+            if upstream not in self.upstreams:
+                raise ValueError(f"step marker from {upstream!r}, which is not an upstream peer of this stage")
+            if step <= self._done_through:
+                raise ValueError(f"second step marker for step {step} from {upstream!r}")
+            self._markers.setdefault(step, {})[upstream] = count
+            return self._ready()
 
     def remove(self, upstream: str) -> list[tuple[int, int]]:
         """An upstream peer vanished: what it sent is all it will send; steps it left open complete."""
-        self.upstreams.discard(upstream)
-        for step in set(self._received) | set(self._markers):
-            if step > self._done_through:
-                sent = self._received.get(step, Counter()).get(upstream, 0)
-                self._markers.setdefault(step, {}).setdefault(upstream, sent)
-        return self._ready()
+        with self._lock:
+            if upstream not in self.upstreams:
+                return []
+            self.upstreams.discard(upstream)
+            for step in set(self._received) | set(self._markers):
+                if step > self._done_through:
+                    sent = self._received.get(step, Counter()).get(upstream, 0)
+                    self._markers.setdefault(step, {}).setdefault(upstream, sent)
+            return self._ready()
 
     def _ready(self) -> list[tuple[int, int]]:
         done = []
