@@ -83,7 +83,14 @@ def stop_processes(peers: list[PeerProcess], grace: float = 15.0) -> None:
 
 
 async def run_local(
-    settings: RunSettings, membership: Membership, *, threads: int, device: str, heartbeat: float, slow_peer: str = ""
+    settings: RunSettings,
+    membership: Membership,
+    *,
+    threads: int,
+    device: str,
+    heartbeat: float,
+    slow_peer: str = "",
+    poison_peer: str = "",
 ) -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
@@ -117,6 +124,9 @@ async def run_local(
     try:
         for i in range(settings.peers):
             extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
+            if poison_peer.startswith(f"{i}:"):  # INDEX:MODE:STEPS
+                _, mode, after = poison_peer.split(":")
+                extra += ["--debug-poison", mode, "--debug-poison-after", after]
             peers.append(
                 spawn_peer(
                     f"peer-{i}", join_args + extra, settings.run_dir / "logs", threads, device, settings.swarm_token

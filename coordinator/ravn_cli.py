@@ -47,6 +47,9 @@ def local(
         int | None, typer.Option(min=0, max=65535, help="Serve the coordinator's Prometheus metrics on this port.")
     ] = None,
     debug_slow_peer: Annotated[str, typer.Option(hidden=True, help="Testing: INDEX:SECONDS slows one peer.")] = "",
+    debug_poison_peer: Annotated[
+        str, typer.Option(hidden=True, help="Testing: INDEX:MODE:STEPS poisons one peer (ravn-peer --debug-poison).")
+    ] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
@@ -77,7 +80,13 @@ def local(
     try:
         code = uvloop.run(
             run_local(
-                settings, membership, threads=threads, device=device, heartbeat=heartbeat, slow_peer=debug_slow_peer
+                settings,
+                membership,
+                threads=threads,
+                device=device,
+                heartbeat=heartbeat,
+                slow_peer=debug_slow_peer,
+                poison_peer=debug_poison_peer,
             )
         )
     finally:

@@ -14,6 +14,7 @@ import uvloop
 
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
+from peer.faults import POISON_MODES
 from swarm.auth import parse_token
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
@@ -71,6 +72,12 @@ def join(
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")] = 300.0,
     find_timeout: Annotated[float, typer.Option(help="Seconds to look for the swarm's coordinator in the DHT.")] = 60.0,
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
+    debug_poison: Annotated[
+        str, typer.Option(hidden=True, help="Testing: 'scale' (x1e6) or 'nan' corrupts every training tensor sent.")
+    ] = "",
+    debug_poison_after: Annotated[
+        int, typer.Option(hidden=True, min=0, help="Testing: optimizer steps of the block before --debug-poison.")
+    ] = 0,
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
     ] = None,
@@ -106,6 +113,8 @@ def join(
         parse_token(swarm_token)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--swarm-token") from None
+    if debug_poison not in ("", *POISON_MODES):
+        raise typer.BadParameter(f"use one of {', '.join(POISON_MODES)}", param_hint="--debug-poison")
     peer_id = name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, prefix=f"[{peer_id}] ")
     try:
@@ -132,6 +141,8 @@ def join(
         threads=threads,
         step_timeout=step_timeout,
         slowdown=debug_slowdown,
+        poison=debug_poison,
+        poison_after=debug_poison_after,
         swarm_token=swarm_token,
         metrics_port=metrics_port,
         metrics_host=metrics_host,

@@ -20,6 +20,7 @@ import torch
 from peer.compute import BACKWARD, FORWARD, OTHER, ComputeWorker
 from peer.discovery import Discovery, DiscoveryError
 from peer.driver import Driver
+from peer.faults import wire_policy
 from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
 from swarm import auth, limits
@@ -34,6 +35,7 @@ from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.sanity import DAEMON_SETTINGS, LinkSanity, SanityError
 from swarm.stage_factory import build_runner
 from swarm.stage_runner import StageInputError, StageRunner
 from swarm.transport import GRPC_OPTIONS, Link, LinkClosed, hello_packet, read_hello, refuse_client_stream
@@ -60,6 +62,8 @@ class PeerSettings:
     status_every: float = 10.0  # seconds between the one-line live status in the log
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     slowdown: float = 0.0  # testing: an artificially slow peer
+    poison: str = ""  # testing: "scale" or "nan" corrupts every training tensor sent, after poison_after steps
+    poison_after: int = 0
     hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
     metrics_host: str = "127.0.0.1"
@@ -97,6 +101,7 @@ class PeerDaemon:
         self.driver: Driver | None = None
         self.endpoint = ""
         self.refused = 0
+        self.sanity = LinkSanity(DAEMON_SETTINGS)  # per-link norm statistics; quarantines poisoned neighbours
         self.stopping = asyncio.Event()
         self.leaving = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -326,7 +331,13 @@ class PeerDaemon:
         if hf is not None and self.settings.hf_path:
             hf = dataclasses.replace(hf, path=self.settings.hf_path)
         self.hf = hf
-        self.policy = WirePolicy(forward=train_cfg.wire_forward, backward=train_cfg.wire_backward)
+        self.policy = wire_policy(
+            train_cfg.wire_forward,
+            train_cfg.wire_backward,
+            self.settings.poison,
+            self.settings.poison_after,
+            lambda: self.runner.version if self.runner is not None else 0,
+        )
         try:
             self.runner = await self.run_compute(
                 build_runner, model_cfg, train_cfg, a.layer_start, a.layer_end, self.device, hf
@@ -398,6 +409,7 @@ class PeerDaemon:
         self.assigned.clear()
         self.assignment = None
         self.runner = None
+        self.sanity = LinkSanity(DAEMON_SETTINGS, self.sanity.quarantine)  # new neighbours, new norms
 
     async def _restore(self, version: int) -> None:
         """Load this block's weights and optimizer state at ``version`` from the coordinator's store."""
@@ -532,16 +544,19 @@ class PeerDaemon:
 
     async def _on_activations(self, act: pb.Activations) -> None:
         target_down, target_up, generation = self.downstream, self.upstream, self.generation
-        packet = await self.run_compute(self._forward_job, act, self.runner, priority=FORWARD)
+        sender = self.assignment.upstream_peer if self.assignment is not None else ""
+        packet = await self.run_compute(self._forward_job, act, self.runner, sender, priority=FORWARD)
         if generation != self.generation:  # re-assigned meanwhile: this micro-batch belongs to the old plan
             return
         await (target_down if packet.WhichOneof("body") == "activations" else target_up).send(packet)
 
-    def _forward_job(self, act: pb.Activations, runner: StageRunner) -> pb.Packet:
+    def _forward_job(self, act: pb.Activations, runner: StageRunner, sender: str = "") -> pb.Packet:
         if self.settings.slowdown:
             time.sleep(self.settings.slowdown)
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
+        if not self.plausible(x, sender, "activations"):  # dropped: upstream drops it too, nothing waits
+            return pb.Packet(gradients=pb.Gradients(mb=act.mb, dropped=True))
         result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
         if result.output is not None:
             mb = pb.MicroBatch()
@@ -555,18 +570,38 @@ class PeerDaemon:
             await self.driver.on_gradients(g)
             return
         target, generation = self.upstream, self.generation
-        packet = await self.run_compute(self._backward_job, g, self.runner, priority=BACKWARD)
+        sender = self.assignment.downstream_peer if self.assignment is not None else ""
+        packet = await self.run_compute(self._backward_job, g, self.runner, sender, priority=BACKWARD)
         if generation == self.generation and target is not None:
             await target.send(packet)
 
-    def _backward_job(self, g: pb.Gradients, runner: StageRunner) -> pb.Packet:
+    def _backward_job(self, g: pb.Gradients, runner: StageRunner, sender: str = "") -> pb.Packet:
         if g.mb.eval:
-            return self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
+            packet = self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
+            packet.gradients.dropped = g.dropped
+            return packet
         grad = None if g.dropped else self.policy.decode(g.grad)
+        if grad is not None and not self.plausible(grad, sender, "gradients"):
+            grad = None  # dropped here and, through the dropped packet, upstream
         result = runner.backward(g.mb.id, grad)
         if result.dropped:
             return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
         return self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens)
+
+    def plausible(self, x: torch.Tensor, sender: str, kind: str) -> bool:
+        """Does ``x`` pass this link's sanity checks? (Compute thread.) A refused tensor is counted against
+        ``sender``; enough of them quarantine it, and the next report asks the coordinator to exclude it.
+        Non-float tensors pass here: the runner's shape and dtype checks refuse them, ending the stream."""
+        if not x.is_floating_point():
+            return True
+        was = self.sanity.quarantine.excluded(sender)
+        try:
+            self.sanity.check(x, sender=sender, link=sender, kind=kind)
+            return True
+        except SanityError as e:
+            if not was:  # once quarantined, every tensor from it is refused: no need to log each
+                log.warning("rejected %s from %s: %s", kind, sender, e)
+            return False
 
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> cpb.StageStats:
@@ -586,6 +621,8 @@ class PeerDaemon:
             wall_seconds=time.monotonic() - self.compute.started,
             stash_bytes_peak=r.metrics.stash_bytes_peak if r else 0,
             in_flight_peak=r.metrics.in_flight_peak if r else 0,
+            rejected=sum(self.sanity.rejections.values()),
+            rejected_by_sender=dict(self.sanity.rejections),
         )
 
     async def report(self, **fields) -> None:
@@ -593,7 +630,8 @@ class PeerDaemon:
         self.metrics.update(stats)
         if self._control is None:
             return
-        msg = cpb.StatusReport(peer_id=self.peer_id, stats=stats, **fields)
+        quarantined = [cpb.Quarantined(peer_id=p, reason=why) for p, why in self.sanity.quarantine.status().items()]
+        msg = cpb.StatusReport(peer_id=self.peer_id, stats=stats, quarantined=quarantined, **fields)
         try:
             await self._control.Report(msg, timeout=10.0)
         except grpc.aio.AioRpcError as e:
