@@ -102,6 +102,7 @@ class Membership:
 def make_plan(
     *,
     reachable: dict[str, bool] | None = None,
+    fingerprints: dict[str, str] | None = None,
     swarm: str,
     run_id: str,
     version: int,
@@ -109,7 +110,8 @@ def make_plan(
     coordinator: str,
     stages: list[tuple[int, int, list[tuple[str, str]]]],
 ) -> Plan:
-    """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage."""
+    """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage; ``fingerprints``: the
+    TLS certificate each peer's record announced, which its neighbours pin (signed with the plan)."""
     return Plan.model_validate(
         {
             "swarm": swarm,
@@ -124,7 +126,13 @@ def make_plan(
                     "layer_start": a,
                     "layer_end": b,
                     "peers": [
-                        {"peer_id": p, "endpoint": e, "reachable": (reachable or {}).get(p, True)} for p, e in peers
+                        {
+                            "peer_id": p,
+                            "endpoint": e,
+                            "reachable": (reachable or {}).get(p, True),
+                            "tls_fingerprint": (fingerprints or {}).get(p, ""),
+                        }
+                        for p, e in peers
                     ],
                 }
                 for a, b, peers in stages

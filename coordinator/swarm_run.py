@@ -99,6 +99,7 @@ class SwarmRun:
         self.uncovered: list[str] = []
         self.predicted_throughput = 0.0
         self.reachable: dict[str, bool] = {}
+        self.fingerprints: dict[str, str] = {}  # peer id -> TLS fingerprint from its record ("" in clear)
         self._departures: list[str] = []
         self._lost: set[str] = set()
         self._departed: set[str] = set()
@@ -348,6 +349,7 @@ class SwarmRun:
             raise RunFailed(f"no plan fits these peers: {e}") from None
         endpoints = {r.peer_id: r.endpoint for r in records}
         self.reachable = {r.peer_id: r.reachable is not False for r in records}
+        self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
         blocks = [(st.layer_start, st.layer_end) for st in partition.stages]
         try:
             order = arrange([st.peer_ids[0] for st in partition.stages], self.reachable)
@@ -367,6 +369,7 @@ class SwarmRun:
         self.plan_version += 1
         return make_plan(
             reachable=self.reachable,
+            fingerprints=self.fingerprints,
             swarm=self.s.swarm,
             run_id=self.run_id,
             version=self.plan_version,

@@ -23,7 +23,7 @@ from peer.driver import Driver
 from peer.faults import wire_policy
 from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
-from swarm import auth, limits
+from swarm import auth, limits, tls
 from swarm.codec_policy import WirePolicy
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
@@ -68,6 +68,7 @@ class PeerSettings:
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
     metrics_host: str = "127.0.0.1"
     swarm_token: str = ""  # proof of membership on every gRPC call (empty: no authentication, tests only)
+    tls: tls.TlsIdentity | None = None  # the Stage service speaks TLS with this certificate (None: in clear)
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -136,12 +137,13 @@ class PeerDaemon:
             interceptors = [auth.ServerAuth(verifier), limits.ServerLimits()]
         self._server = grpc.aio.server(options=GRPC_OPTIONS + limits.SERVER_OPTIONS, interceptors=interceptors)
         wgrpc.add_StageServicer_to_server(StageService(self), self._server)
-        port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        port = tls.add_port(self._server, f"{self.settings.host}:{self.settings.port}", self.settings.tls)
         if port == 0:
             raise OSError(f"cannot listen on {self.settings.host}:{self.settings.port}")
         await self._server.start()
         self.endpoint = grpc_target_to_multiaddr(f"{self.settings.announce or self.settings.host}:{port}")
-        log.info("stage service listening on %s", self.endpoint)
+        via = f" over TLS, certificate {self.settings.tls.fingerprint}" if self.settings.tls else ""
+        log.info("stage service listening on %s%s", self.endpoint, via)
         return self.endpoint
 
     async def run(self) -> int:
@@ -229,6 +231,7 @@ class PeerDaemon:
             protocol_version=PROTOCOL_VERSION,
             timestamp=time.time(),
             reachable=reachable,
+            tls_fingerprint=self.settings.tls.fingerprint if self.settings.tls else "",
         )
 
     async def _session(self, coordinator: str) -> int:
@@ -493,8 +496,12 @@ class PeerDaemon:
             else (a.upstream_peer, a.upstream_endpoint)
         )
         target = multiaddr_to_grpc_target(endpoint)
-        channel = self.channel(target, peer)
         link = Link(f"{self.peer_id}->{peer}")
+        try:
+            channel = await self._stage_channel(target, peer)
+        except tls.TlsError as e:
+            await self._link_failed(generation, f"refusing to link to {side} {peer} at {target}: {e}")
+            return
         call = wgrpc.StageStub(channel).Link()
         try:
             for frame in split_packet(self.hello(), 0):
@@ -518,6 +525,21 @@ class PeerDaemon:
             await self._link_failed(generation, f"link to {side} {peer} at {target} failed: {detail}")
         finally:
             await channel.close()
+
+    async def _stage_channel(self, target: str, peer: str) -> grpc.aio.Channel:
+        """A channel to ``peer``'s Stage service: TLS pinned to the fingerprint the signed plan gives it,
+        or in clear when the plan gives none (that peer serves without TLS)."""
+        planned = [p for st in (self.plan.stages if self.plan else []) for p in st.peers if p.peer_id == peer]
+        pin = planned[0].tls_fingerprint if planned else ""
+        if not pin:
+            return self.channel(target, peer)
+        token = self.settings.swarm_token
+        interceptors = auth.client_interceptors(token, self.peer_id, peer) if token else None
+        channel = await tls.dial_pinned(
+            target, pin, options=GRPC_OPTIONS, interceptors=interceptors, timeout=self.settings.link_timeout
+        )
+        log.info("linking to %s over TLS, certificate pinned to %s", peer, pin)
+        return channel
 
     async def _link_failed(self, generation: int, reason: str) -> None:
         """Report a broken link, unless it belonged to an assignment that was already replaced."""
