@@ -105,6 +105,8 @@ class PeerRecord(_Strict):
     reachable: bool | None = None  # None: not (yet) checked from outside
     timestamp: Timestamp  # when the record was announced (set by announce_peer)
     tls_fingerprint: TlsFingerprint = ""  # of the certificate its Stage service presents (swarm/tls.py)
+    public_key: Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{43}=)?$")] = ""  # Ed25519, base64
+    signature: Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{86}==)?$")] = ""  # swarm/record_signing.py
 
     @field_validator("endpoint")
     @classmethod
