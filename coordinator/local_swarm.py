@@ -91,6 +91,7 @@ async def run_local(
     heartbeat: float,
     slow_peer: str = "",
     slow_layers: str = "",
+    poison_peer: str = "",
 ) -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
@@ -125,6 +126,9 @@ async def run_local(
         for i in range(settings.peers):
             extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
             extra += ["--debug-slow-layers", slow_layers] if slow_layers else []
+            if poison_peer.startswith(f"{i}:"):  # INDEX:MODE:STEPS
+                _, mode, after = poison_peer.split(":")
+                extra += ["--debug-poison", mode, "--debug-poison-after", after]
             peers.append(
                 spawn_peer(
                     f"peer-{i}", join_args + extra, settings.run_dir / "logs", threads, device, settings.swarm_token

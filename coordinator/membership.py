@@ -25,6 +25,7 @@ from swarm.dht_records import (
     publish_plan,
 )
 from swarm.dht_schema import PeerRecord, Plan, validate_swarm_name
+from swarm.record_signing import KeyPins, RecordSignatureError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class MembershipSettings:
     announce_host: str = ""
     heartbeat: float = 5.0
     initial_peers: tuple[str, ...] = ()
+    require_signed_records: bool = True  # ignore peer records not signed by their peer's key
 
 
 class Membership:
@@ -51,6 +53,8 @@ class Membership:
         self.public_key = export_public_key(self.key)
         self.fingerprint = public_key_fingerprint(self.key)
         self.dht: OwnedDHT | None = None
+        self.pins = KeyPins(ttl=3 * settings.heartbeat)
+        self._ignored: set[str] = set()
 
     def start(self) -> list[str]:
         """Start the DHT node (before any gRPC server: it forks) and return its dialable multiaddrs."""
@@ -87,6 +91,14 @@ class Membership:
                     PROTOCOL_VERSION,
                 )
                 continue
+            if self.s.require_signed_records:
+                try:
+                    self.pins.check(r)
+                except RecordSignatureError as e:
+                    if str(e) not in self._ignored:  # once per reason: the DHT is polled every heartbeat
+                        self._ignored.add(str(e))
+                        log.warning("ignoring a peer record: %s", e)
+                    continue
             good.append(r)
         return good
 
@@ -102,6 +114,7 @@ class Membership:
 def make_plan(
     *,
     reachable: dict[str, bool] | None = None,
+    fingerprints: dict[str, str] | None = None,
     swarm: str,
     run_id: str,
     version: int,
@@ -109,7 +122,8 @@ def make_plan(
     coordinator: str,
     stages: list[tuple[int, int, list[tuple[str, str]]]],
 ) -> Plan:
-    """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage."""
+    """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage; ``fingerprints``: the
+    TLS certificate each peer's record announced, which its neighbours pin (signed with the plan)."""
     return Plan.model_validate(
         {
             "swarm": swarm,
@@ -124,7 +138,13 @@ def make_plan(
                     "layer_start": a,
                     "layer_end": b,
                     "peers": [
-                        {"peer_id": p, "endpoint": e, "reachable": (reachable or {}).get(p, True)} for p, e in peers
+                        {
+                            "peer_id": p,
+                            "endpoint": e,
+                            "reachable": (reachable or {}).get(p, True),
+                            "tls_fingerprint": (fingerprints or {}).get(p, ""),
+                        }
+                        for p, e in peers
                     ],
                 }
                 for a, b, peers in stages

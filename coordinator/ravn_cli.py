@@ -50,6 +50,9 @@ def local(
     debug_slow_layers: Annotated[
         str, typer.Option(hidden=True, help="Testing: A:B=SECONDS makes layers [A,B) slower on whoever holds them.")
     ] = "",
+    debug_poison_peer: Annotated[
+        str, typer.Option(hidden=True, help="Testing: INDEX:MODE:STEPS poisons one peer (ravn-peer --debug-poison).")
+    ] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
@@ -89,6 +92,7 @@ def local(
                 heartbeat=heartbeat,
                 slow_peer=debug_slow_peer,
                 slow_layers=debug_slow_layers,
+                poison_peer=debug_poison_peer,
             )
         )
     finally:

@@ -30,7 +30,11 @@ JSON shape of :func:`status_json` (``--json``; keys are stable, new keys may be 
      "peers": [{"name", "device", "block": [a, b], "state", "tokens_per_s", "up_mbit_s", "down_mbit_s",
                 "staleness_counts": [int], "staleness_p50", "staleness_p99", "heartbeat_age_s",
                 "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction"}],
-     "blocks": [{"layers": [a, b], "replicas": int, "covered": bool, "bottleneck": bool}]}
+     "blocks": [{"layers": [a, b], "replicas": int, "covered": bool, "bottleneck": bool}],
+     "excluded": [{"name": str, "reason": str}]}
+
+``excluded`` lists peers the coordinator dropped from the plan for the rest of the run (a neighbour
+quarantined them for implausible activations or gradients) and why.
 
 Unknown numbers are ``null`` (never NaN). ``step`` counts completed optimizer steps.
 """
@@ -115,12 +119,19 @@ class BlockStatus:
 
 
 @dataclass(frozen=True)
+class ExcludedPeer:
+    name: str
+    reason: str  # why, and which neighbour reported it
+
+
+@dataclass(frozen=True)
 class SwarmStatus:
     run: RunStatus
     peers: tuple[PeerStatus, ...] = ()
     blocks: tuple[BlockStatus, ...] = ()
     swarm: str = ""
     generated_at: float = 0.0  # unix seconds, coordinator clock
+    excluded: tuple[ExcludedPeer, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (the transport form; no verdict, no derived fields)."""
@@ -135,6 +146,7 @@ class SwarmStatus:
             "blocks": [
                 {"layers": list(b.layers), "replicas": b.replicas, "bottleneck": b.bottleneck} for b in self.blocks
             ],
+            "excluded": [{"name": e.name, "reason": e.reason} for e in self.excluded],
         }
 
     @classmethod
@@ -191,6 +203,10 @@ class SwarmStatus:
             ),
             swarm=r.text("swarm", default=""),
             generated_at=r.num("generated_at", default=0.0) or 0.0,
+            excluded=tuple(
+                ExcludedPeer(name=e.text("name"), reason=e.text("reason", default=""))
+                for e in r.subs("excluded", MAX_LIST)
+            ),
         )
 
 
@@ -559,11 +575,22 @@ def blocks_table(status: SwarmStatus) -> Table:
     return t
 
 
+def excluded_table(status: SwarmStatus) -> Table:
+    t = Table(title="excluded peers", title_justify="left", expand=False)
+    t.add_column("peer", justify="left")
+    t.add_column("why", justify="left")
+    for e in status.excluded:
+        t.add_row(e.name, e.reason, style="red")
+    return t
+
+
 def renderable(status: SwarmStatus, v: Verdict | None = None) -> RenderableType:
-    """Verdict line, run line, peers table, blocks table, then every problem beyond the first."""
+    """Verdict line, run line, peers table, blocks table, excluded peers, then every problem beyond the first."""
     v = v or verdict(status)
     parts: list[RenderableType] = [Text(v.line(), style=_STYLE[v.level]), run_line(status.run)]
     parts += [peers_table(status, v), blocks_table(status)]
+    if status.excluded:
+        parts.append(excluded_table(status))
     parts += [Text(f"  {p.severity}: {p.why}", style=_STYLE[p.severity].split()[-1]) for p in v.problems[1:]]
     return Group(*parts)
 

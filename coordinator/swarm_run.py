@@ -25,7 +25,14 @@ from coordinator.membership import Membership, make_plan
 from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
 from coordinator.progress import Progress
 from coordinator.reachability import Unarrangeable, arrange
-from coordinator.status_view import RunStatus, SwarmStatus, blocks_from_peers, eta_seconds, peer_status_from_stats
+from coordinator.status_view import (
+    ExcludedPeer,
+    RunStatus,
+    SwarmStatus,
+    blocks_from_peers,
+    eta_seconds,
+    peer_status_from_stats,
+)
 from swarm import auth, limits
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
@@ -94,6 +101,7 @@ class SwarmRun:
         self.uncovered: list[str] = []
         self.predicted_throughput = 0.0
         self.reachable: dict[str, bool] = {}
+        self.fingerprints: dict[str, str] = {}  # peer id -> TLS fingerprint from its record ("" in clear)
         self._departures: list[str] = []
         self._lost: set[str] = set()
         self._departed: set[str] = set()
@@ -102,6 +110,7 @@ class SwarmRun:
         self._joiners: list[str] = []
         self._considered: set[str] = set()
         self._removed: dict[str, float] = {}
+        self.excluded: dict[str, str] = {}  # peer id -> why: never planned again in this run
         self._restore_version = 0
         self.metrics_server = MetricsServer()
         self.metrics = self.metrics_server.coordinator(settings.swarm, settings.name)
@@ -134,6 +143,8 @@ class SwarmRun:
 
     # ---- called by the control service ----------------------------------------------------------
     def register(self, req: cpb.JoinRequest) -> PeerSession:
+        if req.peer_id in self.excluded:
+            raise PermissionError(f"peer {req.peer_id!r} is excluded from this run: {self.excluded[req.peer_id]}")
         if req.peer_id in self.sessions:
             raise ValueError(f"a peer named {req.peer_id!r} already joined; pick another --name")
         if req.peer_id not in self.planned:
@@ -212,6 +223,8 @@ class SwarmRun:
         self.metrics.set_peers(Counter(self._peer_state(x) for x in self.sessions.values()))
         if r.finished:
             self._finished.set()
+        for q in r.quarantined:
+            self._exclude(q.peer_id, q.reason, by=r.peer_id)
         if r.error:
             self.fail(f"peer {r.peer_id}: {r.error}")
         if r.leaving and r.peer_id not in self._leaving:
@@ -221,6 +234,24 @@ class SwarmRun:
                 self.fail(f"peer {r.peer_id} is leaving")
             else:
                 session.commands.put_nowait(cpb.Command(shutdown=cpb.Shutdown(reason="leave granted")))
+
+    def _exclude(self, peer_id: str, reason: str, *, by: str) -> None:
+        """A neighbour reports ``peer_id`` as poisoned: drop it from the plan and re-plan without it.
+
+        The accuser is trusted (every member holds the token; see SECURITY.md) and named in the reason.
+        The excluded peer is told why and released; recovery then treats it as departed, and neither
+        re-planning nor a later join brings it back in this run."""
+        if peer_id in self.excluded or peer_id not in self.sessions or peer_id == by:
+            return
+        why = f"{_printable(reason)} (reported by {by})"
+        self.excluded[peer_id] = why
+        self.progress.message(f"excluding peer {peer_id}: {why}")
+        self.artifacts.log("exclude", peer=peer_id, by=by, reason=why)
+        if self._finished.is_set():  # the run is over: it still uploads its block, then leaves with the rest
+            return
+        self.sessions[peer_id].commands.put_nowait(cpb.Command(shutdown=cpb.Shutdown(reason=f"excluded: {why}")))
+        self._lost.add(peer_id)
+        self.fail(f"peer {peer_id} excluded: {why}")
 
     def _peer_state(self, session: PeerSession) -> str:
         if session.peer_id not in self.planned:
@@ -269,7 +300,10 @@ class SwarmRun:
             max_staleness=self.s.train.staleness_bound,
             failure=self._failure or "",
         )
-        return SwarmStatus(run=run, peers=tuple(peers), blocks=blocks, swarm=self.s.swarm, generated_at=time.time())
+        excluded = tuple(ExcludedPeer(name=p, reason=why) for p, why in self.excluded.items())
+        return SwarmStatus(
+            run=run, peers=tuple(peers), blocks=blocks, swarm=self.s.swarm, generated_at=time.time(), excluded=excluded
+        )
 
     def on_state(self, peer_id: str, stage: int, tensors: dict[str, torch.Tensor]) -> None:
         self.states[stage] = tensors
@@ -340,6 +374,7 @@ class SwarmRun:
         except InfeasiblePlanError as e:
             raise RunFailed(f"no plan fits these peers: {e}") from None
         endpoints = {r.peer_id: r.endpoint for r in records}
+        self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
         blocks = [(st.layer_start, st.layer_end) for st in partition.stages]
         try:
             order = arrange([st.peer_ids[0] for st in partition.stages], self.reachable)
@@ -429,6 +464,7 @@ class SwarmRun:
         self.plan_version += 1
         return make_plan(
             reachable=self.reachable,
+            fingerprints=self.fingerprints,
             swarm=self.s.swarm,
             run_id=self.run_id,
             version=self.plan_version,
@@ -489,6 +525,7 @@ class SwarmRun:
             and pid not in self._considered
             and pid not in recently_gone  # a dead peer's record outlives it by a few heartbeats
             and pid not in self._lost
+            and pid not in self.excluded
             and r.state != "leaving"
         ]
         if not fresh or not self._started or self._recovering or not self.s.train.checkpoint_every:
@@ -839,3 +876,8 @@ class SwarmRun:
         if self._server is not None:
             await self._server.stop(grace=2.0)
         self.artifacts.close()
+
+
+def _printable(text: str, limit: int = 300) -> str:
+    """Remote text made safe for one log line and a status table: no newlines or terminal escapes."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])

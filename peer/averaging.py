@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -83,7 +83,7 @@ class AverageGroup:
         shapes: dict[str, tuple[int, ...]],
         codec: str,
         timeout: float,
-        channel: Callable[[str, str], grpc.aio.Channel],
+        channel: Callable[[str, str], Awaitable[grpc.aio.Channel]],  # target, peer id -> a (pinned) channel
         generation: int = 0,
     ) -> None:
         self.me, self.run_id, self.layers, self.codec, self.timeout = me, run_id, layers, codec, timeout
@@ -128,11 +128,14 @@ class AverageGroup:
                 reply = await self.collect(request, self.me)
             else:
                 self.bytes += request.ByteSize()
-                async with self._channel(self.members[leader], leader) as ch:
+                ch = await self._channel(self.members[leader], leader)
+                try:
                     reply = await wgrpc.StageStub(ch).Average(request, timeout=self.timeout + 30.0)
+                finally:
+                    await ch.close()
                 self.bytes += reply.ByteSize()
             average = await asyncio.to_thread(decode_deltas, reply.deltas, set(self.shapes))
-        except (grpc.aio.AioRpcError, AverageRefused, WireError, TimeoutError) as e:
+        except (grpc.aio.AioRpcError, AverageRefused, WireError, TimeoutError, OSError, ValueError) as e:
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning(
                 "average round %d with leader %s failed (%s); keeping the change for the next", round_, leader, detail

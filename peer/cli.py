@@ -14,10 +14,12 @@ import uvloop
 
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
+from peer.faults import POISON_MODES
 from swarm.auth import parse_token
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
+from swarm.tls import TlsError, TlsIdentity, generate_self_signed, load_identity
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 DEFAULT_CONFIG = Path("~/.config/ravn/peer.toml").expanduser()
@@ -86,10 +88,27 @@ def join(
     debug_slow_layers: Annotated[
         str, typer.Option(hidden=True, help="Testing: A:B=SECONDS adds SECONDS per layer of [A,B) held, per pass.")
     ] = "",
+    debug_poison: Annotated[
+        str, typer.Option(hidden=True, help="Testing: 'scale' (x1e6) or 'nan' corrupts every training tensor sent.")
+    ] = "",
+    debug_poison_after: Annotated[
+        int, typer.Option(hidden=True, min=0, help="Testing: optimizer steps of the block before --debug-poison.")
+    ] = 0,
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
     ] = None,
     metrics_host: Annotated[str, typer.Option(help="Address of the Prometheus endpoint.")] = "127.0.0.1",
+    tls: Annotated[
+        str,
+        typer.Option(
+            help="'off', or 'self-signed': serve the stage service over TLS with a fresh certificate whose "
+            "fingerprint goes into this peer's DHT record and the signed plan; neighbours pin it."
+        ),
+    ] = "off",
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="Serve the stage service over TLS with this PEM certificate (pinned too).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="The PEM private key of --tls-cert.")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
 ) -> None:
     """Join a swarm: find it through the DHT, serve the block of layers its coordinator assigns."""
@@ -121,6 +140,9 @@ def join(
         parse_token(swarm_token)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--swarm-token") from None
+    if debug_poison not in ("", *POISON_MODES):
+        raise typer.BadParameter(f"use one of {', '.join(POISON_MODES)}", param_hint="--debug-poison")
+    identity = _tls_identity(tls, tls_cert, tls_key)
     peer_id = name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, prefix=f"[{peer_id}] ")
     try:
@@ -148,11 +170,30 @@ def join(
         step_timeout=step_timeout,
         slowdown=debug_slowdown,
         slow_layers=_slow_layers(debug_slow_layers),
+        poison=debug_poison,
+        poison_after=debug_poison_after,
         swarm_token=swarm_token,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
+        tls=identity,
     )
     raise typer.Exit(uvloop.run(_serve(PeerDaemon(settings, discovery))))
+
+
+def _tls_identity(mode: str, cert: Path | None, key: Path | None) -> TlsIdentity | None:
+    """The stage service's TLS identity from the flags: a given certificate, a fresh self-signed one, or none."""
+    if (cert is None) != (key is None):
+        raise typer.BadParameter("pass both --tls-cert and --tls-key", param_hint="--tls-cert")
+    if cert is not None:
+        try:
+            return load_identity(cert, key)
+        except TlsError as e:
+            raise typer.BadParameter(str(e), param_hint="--tls-cert") from None
+    if mode == "self-signed":
+        return generate_self_signed()
+    if mode != "off":
+        raise typer.BadParameter("use 'off' or 'self-signed'", param_hint="--tls")
+    return None
 
 
 async def _serve(daemon: PeerDaemon) -> int:

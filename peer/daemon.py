@@ -21,9 +21,10 @@ from peer.averaging import AverageGroup
 from peer.compute import BACKWARD, FORWARD, OTHER, ComputeWorker
 from peer.discovery import Discovery, DiscoveryError
 from peer.driver import Driver
+from peer.faults import wire_policy
 from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
-from swarm import auth, limits
+from swarm import auth, limits, tls
 from swarm.codec_policy import WirePolicy
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
@@ -37,6 +38,7 @@ from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.routing import ReplicaRouter
+from swarm.sanity import DAEMON_SETTINGS, LinkSanity, SanityError
 from swarm.stage_factory import build_runner
 from swarm.stage_runner import StageInputError, StageRunner
 from swarm.step_shares import SenderSplit, UpstreamShares
@@ -66,10 +68,13 @@ class PeerSettings:
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     slowdown: float = 0.0  # testing: an artificially slow peer
     slow_layers: tuple[int, int, float] | None = None  # testing: layers [a, b) cost this many extra seconds
+    poison: str = ""  # testing: "scale" or "nan" corrupts every training tensor sent, after poison_after steps
+    poison_after: int = 0
     hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
     metrics_host: str = "127.0.0.1"
     swarm_token: str = ""  # proof of membership on every gRPC call (empty: no authentication, tests only)
+    tls: tls.TlsIdentity | None = None  # the Stage service speaks TLS with this certificate (None: in clear)
     extra: dict[str, str] = field(default_factory=dict)
 
     def resolved_device(self) -> str:
@@ -113,6 +118,7 @@ class PeerDaemon:
         self.driver: Driver | None = None
         self.endpoint = ""
         self.refused = 0
+        self.sanity = LinkSanity(DAEMON_SETTINGS)  # per-link norm statistics; quarantines poisoned neighbours
         self.stopping = asyncio.Event()
         self.leaving = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -148,12 +154,13 @@ class PeerDaemon:
             interceptors = [auth.ServerAuth(verifier), limits.ServerLimits()]
         self._server = grpc.aio.server(options=GRPC_OPTIONS + limits.SERVER_OPTIONS, interceptors=interceptors)
         wgrpc.add_StageServicer_to_server(StageService(self), self._server)
-        port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        port = tls.add_port(self._server, f"{self.settings.host}:{self.settings.port}", self.settings.tls)
         if port == 0:
             raise OSError(f"cannot listen on {self.settings.host}:{self.settings.port}")
         await self._server.start()
         self.endpoint = grpc_target_to_multiaddr(f"{self.settings.announce or self.settings.host}:{port}")
-        log.info("stage service listening on %s", self.endpoint)
+        via = f" over TLS, certificate {self.settings.tls.fingerprint}" if self.settings.tls else ""
+        log.info("stage service listening on %s%s", self.endpoint, via)
         return self.endpoint
 
     async def run(self) -> int:
@@ -241,6 +248,7 @@ class PeerDaemon:
             protocol_version=PROTOCOL_VERSION,
             timestamp=time.time(),
             reachable=reachable,
+            tls_fingerprint=self.settings.tls.fingerprint if self.settings.tls else "",
         )
 
     async def _session(self, coordinator: str) -> int:
@@ -344,7 +352,13 @@ class PeerDaemon:
         if hf is not None and self.settings.hf_path:
             hf = dataclasses.replace(hf, path=self.settings.hf_path)
         self.hf = hf
-        self.policy = WirePolicy(forward=train_cfg.wire_forward, backward=train_cfg.wire_backward)
+        self.policy = wire_policy(
+            train_cfg.wire_forward,
+            train_cfg.wire_backward,
+            self.settings.poison,
+            self.settings.poison_after,
+            lambda: self.runner.version if self.runner is not None else 0,
+        )
         try:
             self.runner = await self.run_compute(
                 build_runner, model_cfg, train_cfg, a.layer_start, a.layer_end, self.device, hf
@@ -422,6 +436,7 @@ class PeerDaemon:
         self.assigned.clear()
         self.assignment = None
         self.runner = None
+        self.sanity = LinkSanity(DAEMON_SETTINGS, self.sanity.quarantine)  # new neighbours, new norms
 
     async def _restore(self, version: int) -> None:
         """Load this block's weights and optimizer state at ``version`` from the coordinator's store."""
@@ -501,8 +516,12 @@ class PeerDaemon:
     async def _dial(self, generation: int, side: str, peer: str, endpoint: str) -> None:
         """Open the link to a neighbour (``side``: "downstream" normally, "upstream" when we are behind NAT)."""
         target = multiaddr_to_grpc_target(endpoint)
-        channel = self.channel(target, peer)
         link = Link(f"{self.peer_id}->{peer}")
+        try:
+            channel = await self._stage_channel(target, peer)
+        except tls.TlsError as e:
+            await self._link_failed(generation, f"refusing to link to {side} {peer} at {target}: {e}")
+            return
         call = wgrpc.StageStub(channel).Link()
         try:
             for frame in split_packet(self.hello(), 0):
@@ -561,6 +580,21 @@ class PeerDaemon:
             return
         if report:
             await self.fail(reason)
+
+    async def _stage_channel(self, target: str, peer: str) -> grpc.aio.Channel:
+        """A channel to ``peer``'s Stage service: TLS pinned to the fingerprint the signed plan gives it,
+        or in clear when the plan gives none (that peer serves without TLS)."""
+        planned = [p for st in (self.plan.stages if self.plan else []) for p in st.peers if p.peer_id == peer]
+        pin = planned[0].tls_fingerprint if planned else ""
+        if not pin:
+            return self.channel(target, peer)
+        token = self.settings.swarm_token
+        interceptors = auth.client_interceptors(token, self.peer_id, peer) if token else None
+        channel = await tls.dial_pinned(
+            target, pin, options=GRPC_OPTIONS, interceptors=interceptors, timeout=self.settings.link_timeout
+        )
+        log.info("linking to %s over TLS, certificate pinned to %s", peer, pin)
+        return channel
 
     async def _link_failed(self, generation: int, reason: str) -> None:
         """Report a broken link, unless it belonged to an assignment that was already replaced."""
@@ -682,6 +716,8 @@ class PeerDaemon:
             self._slow(runner)
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
+        if not self.plausible(x, sender, "activations"):  # dropped: upstream drops it too, nothing waits
+            return pb.Packet(gradients=pb.Gradients(mb=act.mb, dropped=True))
         result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
         shares = self.shares
         if shares is not None and not act.mb.eval:
@@ -701,16 +737,20 @@ class PeerDaemon:
             await self.driver.on_gradients(g)
             return
         generation = self.generation
-        packet = await self.run_compute(self._backward_job, g, self.runner, priority=BACKWARD)
+        packet = await self.run_compute(self._backward_job, g, self.runner, sender or "", priority=BACKWARD)
         if generation == self.generation:
             await self.send_up(packet)
 
-    def _backward_job(self, g: pb.Gradients, runner: StageRunner) -> pb.Packet:
+    def _backward_job(self, g: pb.Gradients, runner: StageRunner, sender: str = "") -> pb.Packet:
         if g.mb.eval:
-            return self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
+            packet = self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
+            packet.gradients.dropped = g.dropped
+            return packet
         grad = None if g.dropped else self.policy.decode(g.grad)
         if grad is not None:
             self._slow(runner)
+        if grad is not None and not self.plausible(grad, sender, "gradients"):
+            grad = None  # dropped here and, through the dropped packet, upstream
         result = runner.backward(g.mb.id, grad)
         if result.dropped:
             return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
@@ -741,7 +781,7 @@ class PeerDaemon:
             shapes={n: tuple(t.shape) for n, t in self.runner.anchor.items()},
             codec=train_cfg.average_codec,
             timeout=train_cfg.average_timeout,
-            channel=self.channel,
+            channel=self._stage_channel,
             generation=self.generation,
         )
         self._tasks.append(asyncio.create_task(self._average_loop(self.generation, train_cfg), name="average"))
@@ -829,6 +869,21 @@ class PeerDaemon:
     def _train_cfg(self):
         return assignment_configs(self.assignment)[1]
 
+    def plausible(self, x: torch.Tensor, sender: str, kind: str) -> bool:
+        """Does ``x`` pass this link's sanity checks? (Compute thread.) A refused tensor is counted against
+        ``sender``; enough of them quarantine it, and the next report asks the coordinator to exclude it.
+        Non-float tensors pass here: the runner's shape and dtype checks refuse them, ending the stream."""
+        if not x.is_floating_point():
+            return True
+        was = self.sanity.quarantine.excluded(sender)
+        try:
+            self.sanity.check(x, sender=sender, link=sender, kind=kind)
+            return True
+        except SanityError as e:
+            if not was:  # once quarantined, every tensor from it is refused: no need to log each
+                log.warning("rejected %s from %s: %s", kind, sender, e)
+            return False
+
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> cpb.StageStats:
         links = [*self.upstreams.values(), *self.downstreams.values()]
@@ -851,6 +906,8 @@ class PeerDaemon:
             average_bytes=self.group.bytes if self.group else 0,
             anchor_digest=self.anchor_digest,
             lost_micro_batches=self.lost_micro_batches,
+            rejected=sum(self.sanity.rejections.values()),
+            rejected_by_sender=dict(self.sanity.rejections),
         )
 
     async def report(self, **fields) -> None:
@@ -858,7 +915,8 @@ class PeerDaemon:
         self.metrics.update(stats)
         if self._control is None:
             return
-        msg = cpb.StatusReport(peer_id=self.peer_id, stats=stats, **fields)
+        quarantined = [cpb.Quarantined(peer_id=p, reason=why) for p, why in self.sanity.quarantine.status().items()]
+        msg = cpb.StatusReport(peer_id=self.peer_id, stats=stats, quarantined=quarantined, **fields)
         try:
             await self._control.Report(msg, timeout=10.0)
         except grpc.aio.AioRpcError as e:

@@ -18,6 +18,7 @@ from swarm.config import PROTOCOL_VERSION
 from swarm.dht_node import OwnedDHT
 from swarm.dht_records import announce_peer, dht_record_validators, fetch_plan, load_public_key, withdraw_peer
 from swarm.dht_schema import PeerRecord, Plan, validate_swarm_name
+from swarm.record_signing import new_key
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Discovery:
             raise DiscoveryError(f"--coordinator-key is not a public key printed by ravn-coordinator ({e})") from None
         self.dht: OwnedDHT | None = None
         self.record: PeerRecord | None = None
+        self.signing_key = new_key()  # this process's identity: every record it announces is signed
         self._plan_version = 0
 
     def start(self, client_mode: bool = False) -> None:
@@ -137,7 +139,9 @@ class Discovery:
 
     async def announce(self, record: PeerRecord) -> None:
         self.record = record
-        ok = await asyncio.to_thread(announce_peer, self.dht, self.s.swarm, record, 3 * self.s.heartbeat)
+        ok = await asyncio.to_thread(
+            announce_peer, self.dht, self.s.swarm, record, 3 * self.s.heartbeat, signing_key=self.signing_key
+        )
         if not ok:
             log.warning("announcing this peer in the DHT failed; retrying at the next heartbeat")
 
@@ -150,7 +154,9 @@ class Discovery:
     async def leave(self) -> None:
         """Graceful leave: a 'leaving' record hides this peer at once."""
         if self.dht is not None and self.record is not None:
-            await asyncio.to_thread(withdraw_peer, self.dht, self.s.swarm, self.record, 3 * self.s.heartbeat)
+            await asyncio.to_thread(
+                withdraw_peer, self.dht, self.s.swarm, self.record, 3 * self.s.heartbeat, signing_key=self.signing_key
+            )
 
     def shutdown(self) -> None:
         if self.dht is not None:

@@ -111,7 +111,7 @@ class Driver:
                 step, index = first_step + adm.admitted // k, adm.admitted % k
                 if index == 0 and step > first_step and self._eval_due(step - 1):
                     await self._until(lambda: adm.in_flight == 0, "the pipeline to drain before validation")
-                    await self._reports.put(await self.evaluate(step - 1))
+                    await self._put_eval(await self.evaluate(step - 1))
                 await self._until(lambda: adm.can_admit() or self._stop, "room under the staleness bound")
                 if self._stop:
                     break
@@ -120,7 +120,7 @@ class Driver:
                 await self._forward(self._mb(step, index), x, y)
             await self._until(lambda: adm.in_flight == 0, "the last gradients")
             last = first_step + adm.processed // k - 1
-            await self._reports.put(await self.evaluate(last))
+            await self._put_eval(await self.evaluate(last))
             await self._reports.put(None)
             await reporter
         except TimeoutError as e:
@@ -164,11 +164,14 @@ class Driver:
         """A gradient (or an eval loss, or a drop) came back from stage 1."""
         d = self.d
         if g.mb.eval:
-            self._account(g.mb, g.loss_sum, g.tokens, dropped=False)
+            self._account(g.mb, g.loss_sum, g.tokens, dropped=g.dropped)
             return
+        sender = d.assignment.downstream_peer if d.assignment is not None else ""
 
         def job():
             grad = None if g.dropped else d.policy.decode(g.grad)
+            if grad is not None and not d.plausible(grad, sender, "gradients"):
+                grad = None  # refused as implausible: dropped, and counted as processed like a stale one
             return d.runner.backward(g.mb.id, grad)
 
         result = await d.run_compute(job, priority=BACKWARD)
@@ -178,7 +181,7 @@ class Driver:
         if mb.eval:
             fut = self._evals.pop(mb.id, None)
             if fut is not None and not fut.done():
-                fut.set_result((loss_sum, tokens))
+                fut.set_result((loss_sum, tokens, dropped))
             return
         self.admission.complete()
         if dropped:
@@ -200,8 +203,15 @@ class Driver:
             self._step_loss, self._step_tokens, self._step_t0 = 0.0, 0, now
         self._changed.set()
 
-    async def evaluate(self, step: int) -> cpb.EvalResult:
-        """Mean validation loss over fixed batches, forward only through the whole pipeline."""
+    async def _put_eval(self, result: cpb.EvalResult | None) -> None:
+        if result is not None:
+            await self._reports.put(result)
+
+    async def evaluate(self, step: int) -> cpb.EvalResult | None:
+        """Mean validation loss over fixed batches, forward only through the whole pipeline.
+
+        None when a stage dropped one of them (a neighbour's tensors were refused as implausible): a mean
+        over fewer batches is not comparable with the others, so that validation is skipped."""
         loop = asyncio.get_running_loop()
         futures = []
         for index in range(self.train.eval_batches):
@@ -212,6 +222,10 @@ class Driver:
             futures.append(fut)
             await self._forward(mb, x, y)
         results = await asyncio.wait_for(asyncio.gather(*futures), self.d.settings.step_timeout)
+        dropped = sum(1 for r in results if r[2])
+        if dropped:
+            log.warning("validation at step %d skipped: %d of its micro-batches were dropped", step, dropped)
+            return None
         loss = sum(r[0] for r in results)
         tokens = sum(r[1] for r in results)
         return cpb.EvalResult(step=step, loss=loss / max(tokens, 1), tokens=tokens)

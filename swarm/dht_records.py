@@ -34,6 +34,7 @@ from typing import Any
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
@@ -42,6 +43,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from pydantic import ValidationError
 
 from swarm.dht_schema import PeerRecord, Plan, peers_key, plan_key, validate_swarm_name
+from swarm.record_signing import sign_record
 
 logger = logging.getLogger(__name__)
 
@@ -251,12 +253,21 @@ def _dht_store(dht: DHT, key: str, subkey: str | bytes, value: dict, expiration_
 # Peer directory.
 
 
-def announce_peer(dht: DHT, swarm: str, record: PeerRecord, ttl: float, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+def announce_peer(
+    dht: DHT,
+    swarm: str,
+    record: PeerRecord,
+    ttl: float,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    signing_key: Ed25519PrivateKey | None = None,
+) -> bool:
     """Publish (or refresh) ``record`` under ``ravn/<swarm>/peers``, expiring ``ttl`` seconds from now.
 
     Call it every heartbeat with ttl = a few heartbeats, so one lost heartbeat does not drop the peer.
     The stored copy's ``timestamp`` is set to now. Returns False if no DHT node accepted the record
     (e.g. a tombstone with a later expiration is still in place: keep using the same ttl).
+    ``signing_key``: sign the stamped record with the peer's key (swarm/record_signing.py).
     """
     swarm = validate_swarm_name(swarm)
     _check_ttl(ttl)
@@ -264,13 +275,23 @@ def announce_peer(dht: DHT, swarm: str, record: PeerRecord, ttl: float, *, timeo
         raise ValueError("announce_peer publishes joining/online peers; use withdraw_peer to leave")
     now = get_dht_time()
     stamped = PeerRecord.model_validate({**record.to_dht_value(), "timestamp": now})
+    if signing_key is not None:
+        stamped = sign_record(stamped, signing_key)
     ok = _dht_store(dht, peers_key(swarm), stamped.peer_id, stamped.to_dht_value(), now + ttl, timeout)
     if not ok:
         logger.warning("announcing peer %s in swarm %r was rejected by the DHT", record.peer_id, swarm)
     return ok
 
 
-def withdraw_peer(dht: DHT, swarm: str, record: PeerRecord, ttl: float, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+def withdraw_peer(
+    dht: DHT,
+    swarm: str,
+    record: PeerRecord,
+    ttl: float,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    signing_key: Ed25519PrivateKey | None = None,
+) -> bool:
     """Leave gracefully: replace the peer's record with a ``leaving`` tombstone, hidden by list_peers.
 
     hivemind cannot delete, and keeps the value with the latest expiration per subkey, so the tombstone
@@ -281,6 +302,8 @@ def withdraw_peer(dht: DHT, swarm: str, record: PeerRecord, ttl: float, *, timeo
     _check_ttl(ttl)
     now = get_dht_time()
     tombstone = PeerRecord.model_validate({**record.to_dht_value(), "state": "leaving", "timestamp": now})
+    if signing_key is not None:
+        tombstone = sign_record(tombstone, signing_key)
     return _dht_store(dht, peers_key(swarm), tombstone.peer_id, tombstone.to_dht_value(), now + ttl, timeout)
 
 

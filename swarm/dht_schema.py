@@ -36,6 +36,7 @@ VersionText = Annotated[str, Field(pattern=r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,31}$"
 NonNegativeFloat = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
 Timestamp = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False)]  # unix seconds, DHT clock
 LayerIndex = Annotated[int, Field(ge=0, le=MAX_LAYERS)]
+TlsFingerprint = Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64})?$")]  # "" when the peer serves in clear
 
 PeerState = Literal["joining", "online", "leaving"]
 
@@ -103,6 +104,9 @@ class PeerRecord(_Strict):
     protocol_version: Annotated[int, Field(ge=0, le=MAX_UINT32)]
     reachable: bool | None = None  # None: not (yet) checked from outside
     timestamp: Timestamp  # when the record was announced (set by announce_peer)
+    tls_fingerprint: TlsFingerprint = ""  # of the certificate its Stage service presents (swarm/tls.py)
+    public_key: Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{43}=)?$")] = ""  # Ed25519, base64
+    signature: Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{86}==)?$")] = ""  # swarm/record_signing.py
 
     @field_validator("endpoint")
     @classmethod
@@ -118,6 +122,7 @@ class PlanPeer(_Strict):
     peer_id: PeerId
     endpoint: Multiaddress
     reachable: bool = True  # False: behind NAT; its neighbours wait for it to dial them
+    tls_fingerprint: TlsFingerprint = ""  # set: its Stage service speaks TLS with exactly this certificate
 
     @field_validator("endpoint")
     @classmethod

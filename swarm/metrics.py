@@ -192,6 +192,15 @@ class PeerMetrics(Collector):
         yield _staleness_histogram(labels, value, list(s.staleness_counts))
         yield counter("ravn_peer_dropped_gradients", "Gradients dropped as too stale.", s.dropped)
         yield counter("ravn_peer_refused_packets", "Packets from neighbours refused as bad input.", s.refused)
+        yield counter("ravn_peer_rejected_tensors", "Neighbours' tensors rejected as implausible (dropped).",
+                      s.rejected)
+        by_sender = CounterMetricFamily(
+            "ravn_peer_rejected_tensors_by_sender", "Implausible tensors rejected, per sending neighbour.",
+            labels=["peer", "sender"],
+        )
+        for sender, n in sorted(s.rejected_by_sender.items()):
+            by_sender.add_metric([self.peer_id, sender], float(n))
+        yield by_sender
         yield gauge("ravn_peer_weight_version", "Optimizer steps this stage has applied.", s.weight_version)
         yield gauge("ravn_peer_in_flight_peak", "Most micro-batches held at once by this stage.", s.in_flight_peak)
         yield gauge("ravn_peer_stash_peak_bytes", "Peak memory held by weight stashing.", s.stash_bytes_peak)

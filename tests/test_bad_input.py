@@ -37,9 +37,6 @@ def frames(*packets: pb.Packet) -> list[pb.Frame]:
 
 
 HELLO = hello_packet("upstream", 0, "run", PROTOCOL_VERSION)
-NAN = good_hidden()
-NAN[0, 3, 5] = float("nan")
-
 BAD_CASES = {
     "malformed packet": [pb.Frame(packet_id=9, data=b"\xff\xfe garbage", last=True, total_size=10)],
     "truncated": [pb.Frame(packet_id=9, data=b"\x12\x03ab", last=True, total_size=100)],
@@ -50,7 +47,6 @@ BAD_CASES = {
     "payload of": frames(
         activations(pb.Tensor(shape=[B, T, CFG.d_model], dtype=pb.FLOAT32, codec=pb.FP32, payload=b"\0" * 100))
     ),
-    "NaN": frames(activations(tensor_to_pb(NAN, "fp32", allow_nonfinite=True))),
     "unknown codec": frames(activations(pb.Tensor(shape=[B, T, CFG.d_model], dtype=pb.FLOAT32, codec=99))),
     "exceeds the limit": frames(activations(pb.Tensor(shape=[1 << 20, 1 << 20], dtype=pb.FLOAT32, codec=pb.FP32))),
 }
@@ -127,6 +123,7 @@ def test_bad_messages_get_invalid_argument_and_the_peer_keeps_serving() -> None:
             await expect_refusal(target, frames(HELLO) + bad, grpc.StatusCode.INVALID_ARGUMENT, text)
             await expect_served(target, 100 + i)
         assert daemon.refused >= len(BAD_CASES) - 1  # decode errors count too
+        # NaN or implausible hidden states are not refused but dropped and counted: tests/test_sanity_wired.py
 
     asyncio.run(with_peer(scenario))
 

@@ -158,6 +158,10 @@ def test_nesterov_outer_step_is_the_same_on_every_replica() -> None:
     assert torch.allclose(p.detach() - start, torch.full_like(p, expected), atol=1e-6)
 
 
+async def _insecure(target: str, peer: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target)
+
+
 def _group(me: str, members: dict[str, str], timeout: float = 2.0) -> AverageGroup:
     return AverageGroup(
         me,
@@ -167,7 +171,7 @@ def _group(me: str, members: dict[str, str], timeout: float = 2.0) -> AverageGro
         shapes={"w": (4,)},
         codec="fp32",
         timeout=timeout,
-        channel=lambda target, audience: grpc.aio.insecure_channel(target),
+        channel=_insecure,
     )
 
 

@@ -140,7 +140,7 @@ def test_peer_status_from_two_reports() -> None:
 def test_json_shape_is_stable_and_round_trips() -> None:
     s = with_peer(healthy(), "p1", heartbeat_age_s=20.0)
     d = json.loads(json.dumps(status_json(s), allow_nan=False))  # strict JSON: no NaN anywhere
-    assert set(d) == {"schema", "swarm", "generated_at", "verdict", "run", "peers", "blocks"}
+    assert set(d) == {"schema", "swarm", "generated_at", "verdict", "run", "peers", "blocks", "excluded"}
     assert d["schema"] == 1
     assert set(d["verdict"]) == {"level", "line", "problems"}
     assert d["verdict"]["problems"][0] == {"severity": "degraded", "why": d["verdict"]["problems"][0]["why"],

@@ -194,7 +194,14 @@ class Command(_message.Message):
     def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stop_training: _Optional[_Union[StopTraining, _Mapping]] = ..., update: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "stash_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches")
+    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "stash_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches", "rejected", "rejected_by_sender")
+    class RejectedBySenderEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     FORWARD_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +219,8 @@ class StageStats(_message.Message):
     AVERAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LOST_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_BY_SENDER_FIELD_NUMBER: _ClassVar[int]
     forward_micro_batches: int
     backward_micro_batches: int
     bytes_sent: int
@@ -229,7 +238,9 @@ class StageStats(_message.Message):
     average_bytes: int
     anchor_digest: str
     lost_micro_batches: int
-    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., stash_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ...) -> None: ...
+    rejected: int
+    rejected_by_sender: _containers.ScalarMap[str, int]
+    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., stash_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "loss", "tokens", "seconds")
@@ -254,7 +265,7 @@ class EvalResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StatusReport(_message.Message):
-    __slots__ = ("peer_id", "ready", "stats", "steps", "evals", "finished", "error", "leaving")
+    __slots__ = ("peer_id", "ready", "stats", "steps", "evals", "finished", "error", "leaving", "quarantined")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +274,7 @@ class StatusReport(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     ready: bool
     stats: StageStats
@@ -271,7 +283,16 @@ class StatusReport(_message.Message):
     finished: bool
     error: str
     leaving: bool
-    def __init__(self, peer_id: _Optional[str] = ..., ready: _Optional[bool] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[Quarantined]
+    def __init__(self, peer_id: _Optional[str] = ..., ready: _Optional[bool] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., leaving: _Optional[bool] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
+
+class Quarantined(_message.Message):
+    __slots__ = ("peer_id", "reason")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    reason: str
+    def __init__(self, peer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ()

@@ -1,0 +1,60 @@
+"""Deliberate faults for tests: a peer that poisons what it sends (``ravn-peer join --debug-poison``).
+
+A real component with one method overridden (as hivemind's tests inject a "faulty averager"): the
+poisoned peer computes honestly, then scales by 1e6 or fills with NaN every training tensor it sends,
+gradients upstream and activations downstream, once its block has taken ``after`` optimizer steps.
+Eval micro-batches pass untouched, so only the sanity checks of its neighbours can catch it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.codec_policy import WirePolicy
+from swarm.pb import wire_pb2 as pb
+from swarm.wire import tensor_to_pb
+
+POISON_MODES = ("scale", "nan")
+SCALE = 1e6
+
+
+@dataclass
+class PoisonedPolicy(WirePolicy):
+    mode: str = "scale"
+    after: int = 0  # optimizer steps of this peer's block before the poisoning starts
+    version: Callable[[], int] = lambda: 0
+
+    def _active(self, mb: pb.MicroBatch) -> bool:
+        return not mb.eval and self.version() >= self.after
+
+    def _poison(self, t: torch.Tensor) -> pb.Tensor:
+        bad = t.detach().float() * SCALE if self.mode == "scale" else torch.full_like(t.detach().float(), float("nan"))
+        return tensor_to_pb(bad, "fp32", allow_nonfinite=True)
+
+    def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
+        packet = super().activations(mb, hidden, targets)
+        if self._active(mb) and hidden.is_floating_point():
+            packet.activations.hidden.CopyFrom(self._poison(hidden))
+        return packet
+
+    def gradients(
+        self, mb: pb.MicroBatch, grad: torch.Tensor | None, loss_sum: float = 0.0, tokens: int = 0
+    ) -> pb.Packet:
+        packet = super().gradients(mb, grad, loss_sum, tokens)
+        if grad is not None and self._active(mb):
+            packet.gradients.grad.CopyFrom(self._poison(grad))
+        return packet
+
+
+def wire_policy(
+    forward: str, backward: str, poison: str = "", after: int = 0, version: Callable[[], int] = lambda: 0
+) -> WirePolicy:
+    """The honest policy, or (testing only) one that poisons what it sends."""
+    if not poison:
+        return WirePolicy(forward=forward, backward=backward)
+    if poison not in POISON_MODES:
+        raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
+    return PoisonedPolicy(forward=forward, backward=backward, mode=poison, after=after, version=version)
