@@ -47,6 +47,9 @@ def local(
         int | None, typer.Option(min=0, max=65535, help="Serve the coordinator's Prometheus metrics on this port.")
     ] = None,
     debug_slow_peer: Annotated[str, typer.Option(hidden=True, help="Testing: INDEX:SECONDS slows one peer.")] = "",
+    debug_slow_stage: Annotated[
+        str, typer.Option(hidden=True, help="Testing: STAGE=SECONDS makes whoever holds that stage slower.")
+    ] = "",
     debug_slow_layers: Annotated[
         str, typer.Option(hidden=True, help="Testing: A:B=SECONDS makes layers [A,B) slower on whoever holds them.")
     ] = "",
@@ -92,6 +95,7 @@ def local(
                 heartbeat=heartbeat,
                 slow_peer=debug_slow_peer,
                 slow_layers=debug_slow_layers,
+                slow_stage=debug_slow_stage,
                 poison_peer=debug_poison_peer,
             )
         )

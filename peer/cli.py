@@ -31,6 +31,16 @@ def _main() -> None:
 
 
 
+def _slow_stage(spec: str) -> tuple[int, float] | None:
+    if not spec:
+        return None
+    try:
+        stage, seconds = spec.split("=")
+        return int(stage), float(seconds)
+    except ValueError:
+        raise typer.BadParameter("expected STAGE=SECONDS", param_hint="--debug-slow-stage") from None
+
+
 def _slow_layers(spec: str) -> tuple[int, int, float] | None:
     if not spec:
         return None
@@ -85,6 +95,9 @@ def join(
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")] = 300.0,
     find_timeout: Annotated[float, typer.Option(help="Seconds to look for the swarm's coordinator in the DHT.")] = 60.0,
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
+    debug_slow_stage: Annotated[
+        str, typer.Option(hidden=True, help="Testing: STAGE=SECONDS adds SECONDS per pass to that stage's holders.")
+    ] = "",
     debug_slow_layers: Annotated[
         str, typer.Option(hidden=True, help="Testing: A:B=SECONDS adds SECONDS per layer of [A,B) held, per pass.")
     ] = "",
@@ -170,6 +183,7 @@ def join(
         step_timeout=step_timeout,
         slowdown=debug_slowdown,
         slow_layers=_slow_layers(debug_slow_layers),
+        slow_stage=_slow_stage(debug_slow_stage),
         poison=debug_poison,
         poison_after=debug_poison_after,
         swarm_token=swarm_token,

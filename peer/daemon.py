@@ -68,6 +68,7 @@ class PeerSettings:
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     slowdown: float = 0.0  # testing: an artificially slow peer
     slow_layers: tuple[int, int, float] | None = None  # testing: layers [a, b) cost this many extra seconds
+    slow_stage: tuple[int, float] | None = None  # testing: whoever holds this stage is this much slower per pass
     poison: str = ""  # testing: "scale" or "nan" corrupts every training tensor sent, after poison_after steps
     poison_after: int = 0
     hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
@@ -710,6 +711,10 @@ class PeerDaemon:
             overlap = min(b, self.assignment.layer_end) - max(a, self.assignment.layer_start)
             if overlap > 0:
                 time.sleep(seconds * overlap)
+        if self.settings.slow_stage is not None and self.assignment is not None:
+            stage, seconds = self.settings.slow_stage
+            if self.assignment.stage == stage:
+                time.sleep(seconds)
 
     def _forward_job(self, act: pb.Activations, runner: StageRunner, sender: str = "") -> pb.Packet:
         if not act.mb.eval:
