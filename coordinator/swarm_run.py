@@ -122,6 +122,10 @@ class SwarmRun:
         self._finished = asyncio.Event()
         self._states_in = asyncio.Event()
         self._failure: str | None = None
+        self._fatal = ""  # the reason the run ended in failure (no recovery left)
+        self._incident = ""  # what the swarm is recovering from: `ravn status` says degraded until it trains again
+        self._incident_layers: tuple[int, int] | None = None
+        self._incident_ends_at_step = False  # set once training restarted: the next step report clears it
         self._failed = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -157,11 +161,26 @@ class SwarmRun:
         if not self._states_in.is_set():
             log.warning("peer %s: %s", peer_id, why)
             self._lost.add(peer_id)
+            self._note_incident(f"lost peer {peer_id} ({why})", peer_id)
+
+    def _note_incident(self, why: str, peer_id: str | None = None) -> None:
+        """Remember what went wrong until the swarm trains again (what `ravn status` names).
+
+        The first cause wins, except that a lost peer replaces a cause that names no block: its neighbours'
+        broken links are often reported a moment before the coordinator sees the peer's stream end.
+        """
+        if self._finished.is_set() or (self._incident and (self._incident_layers or not peer_id)):
+            return
+        self._incident = why
+        planned = self.planned.get(peer_id) if peer_id else None
+        self._incident_layers = planned[:2] if planned else None
+        self._incident_ends_at_step = False
 
     def peer_failed(self, peer_id: str, reason: str) -> None:
         """A peer process died (seen by its launcher); ignored if recovery already dealt with it."""
         if peer_id in self.sessions or not self._started:
             self._lost.add(peer_id)
+            self._note_incident(reason, peer_id)
             self.fail(reason)
 
     def fail(self, reason: str) -> None:
@@ -184,6 +203,8 @@ class SwarmRun:
             session.ready = True
             if all(x.ready for x in self.sessions.values()) and set(self.sessions) >= set(self.planned):
                 self._ready.set()
+        if r.steps and self._incident_ends_at_step:
+            self._incident, self._incident_layers, self._incident_ends_at_step = "", None, False
         for st in r.steps:
             self.train_losses.append((st.step, st.loss))
             self._last_step = st.step
@@ -257,9 +278,20 @@ class SwarmRun:
             loss_history=tuple(v for _, v in self.train_losses[-120:]),
             heartbeat_s=self.membership.s.heartbeat,
             max_staleness=self.s.train.staleness_bound,
-            failure=self._failure or "",
+            **self._trouble(),
         )
         return SwarmStatus(run=run, peers=tuple(peers), blocks=blocks, swarm=self.s.swarm, generated_at=time.time())
+
+    def _trouble(self) -> dict[str, object]:
+        """``failure`` (broken) only when no recovery can follow; otherwise what is being recovered (degraded)."""
+        recoverable = self._started and bool(self.s.train.checkpoint_every) and not self._fatal
+        failure = self._fatal or ("" if recoverable else self._failure or "")
+        recovering = self._incident or ((self._failure or "") if recoverable else "")
+        return {
+            "failure": failure,
+            "recovering": recovering,
+            "recovering_layers": self._incident_layers if recovering else None,
+        }
 
     def on_state(self, peer_id: str, stage: int, tensors: dict[str, torch.Tensor]) -> None:
         self.states[stage] = tensors
@@ -428,6 +460,7 @@ class SwarmRun:
                 if record is not None and record.state != "leaving":
                     continue
                 why = "left gracefully" if record is not None else "stopped heartbeating (its record expired)"
+                self._note_incident(f"peer {peer_id} {why}", peer_id)
                 del self.planned[peer_id]
                 self._departed.add(peer_id)
                 self.uncovered.append(f"layers [{a},{b})")
@@ -494,6 +527,7 @@ class SwarmRun:
         """Re-plan the surviving peers and restart them from the latest complete checkpoint."""
         t0 = time.monotonic()
         self._recovering = True
+        self._note_incident(reason)
         self._failure = None  # handled here; waits below must not trip over it
         self._failed.clear()
         self.progress.message(f"recovering: {reason}")
@@ -607,6 +641,7 @@ class SwarmRun:
                     first = next(x for x in self.sessions.values() if x.stage == 0)
                     start = cpb.Start(first_step=first_step, num_steps=s.train.steps - first_step)
                     first.commands.put_nowait(cpb.Command(start=start))
+                    self._incident_ends_at_step = bool(self._incident)
                     if not self._started:
                         self._started = True
                         self._baseline = {x.peer_id: x.stats for x in self.sessions.values()}
@@ -623,6 +658,7 @@ class SwarmRun:
             if self._started and not self._failed.is_set():
                 await self._stop_after_step()
         except RunFailed as e:
+            self._fatal = str(e)
             if self._started and not self.uncovered:  # give the DHT time to tell who is gone
                 await asyncio.sleep(0)
                 deadline = time.monotonic() + self.membership.ttl + 3 * self.membership.s.heartbeat + 5.0
