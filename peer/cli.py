@@ -70,6 +70,14 @@ def join(
     ] = 5.0,
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")] = 300.0,
     find_timeout: Annotated[float, typer.Option(help="Seconds to look for the swarm's coordinator in the DHT.")] = 60.0,
+    coordinator_grace: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Seconds to train on and redial when the coordinator is gone, so a restarted one can "
+            "re-attach this peer (0: leave at once).",
+        ),
+    ] = 60.0,
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
@@ -131,6 +139,7 @@ def join(
         device=device,
         threads=threads,
         step_timeout=step_timeout,
+        coordinator_grace=coordinator_grace,
         slowdown=debug_slowdown,
         swarm_token=swarm_token,
         metrics_port=metrics_port,
