@@ -46,7 +46,7 @@ def test_sigkill_of_a_peer_turns_the_verdict_degraded_and_names_its_block(tmp_pa
         "--model",
         "gpt-tiny",
         "--heartbeat",
-        "1",
+        "5",
         "--steps",
         "100000",
         "--checkpoint-every",
@@ -59,18 +59,24 @@ def test_sigkill_of_a_peer_turns_the_verdict_degraded_and_names_its_block(tmp_pa
         "deg",
     )
     procs = {"coordinator": coord}
+    paused = False
     try:
         join = join_args(coord)
         _, m = coord.wait_for(r"coordinator of swarm '\w+' on (127\.0\.0\.1:\d+)", 10)
         target, token = m.group(1), (tmp_path / "ravn.token").read_text().strip()
-        for name in ("p0", "p1", "p2"):  # slow peers: the recovery window lasts seconds, longer than one poll
-            procs[name] = peer(tmp_path, join, name, "--heartbeat", "1", "--threads", "1", "--debug-slowdown", "2")
+        for name in ("p0", "p1", "p2"):  # slowish peers: steps take seconds
+            procs[name] = peer(tmp_path, join, name, "--heartbeat", "5", "--threads", "1", "--debug-slowdown", "0.5")
         _, plan = coord.wait_for(r"^plan: (.*)$", 180)
         blocks = {p: part.split("=")[1] for part in plan.group(1).split(", ") for p in [part.split("=")[0]]}
         victim = list(blocks)[1]  # a middle stage
         layers = [int(x) for x in blocks[victim].removeprefix("layers[").removesuffix(")").split(",")]
         poll(target, token, lambda s: s["verdict"]["level"] == "healthy" and s["run"]["step"] >= 2, 240, "healthy")
         tree = [pid for p in procs.values() for pid in p.tree()]
+        # hold the recovery open while we look: a paused survivor cannot restore its new block yet (its record
+        # expires only after 3 heartbeats of 5 s, its gRPC keepalive after about 15 s)
+        survivor = procs[list(blocks)[-1]].popen.pid
+        os.kill(survivor, signal.SIGSTOP)
+        paused = True
         os.kill(procs[victim].popen.pid, signal.SIGKILL)
         degraded = poll(
             target,
@@ -78,9 +84,11 @@ def test_sigkill_of_a_peer_turns_the_verdict_degraded_and_names_its_block(tmp_pa
             lambda s: (
                 s["verdict"]["level"] == "degraded" and any(p["block"] == layers for p in s["verdict"]["problems"])
             ),
-            60,
+            30,
             f"a degraded verdict naming layers {layers}",
         )
+        os.kill(survivor, signal.SIGCONT)
+        paused = False
         line = degraded["verdict"]["line"]
         assert f"layers [{layers[0]},{layers[1]})" in line and f"lost peer {victim}" in line, line
         assert degraded["run"]["recovering_layers"] == layers and not degraded["run"]["failure"]
@@ -89,6 +97,8 @@ def test_sigkill_of_a_peer_turns_the_verdict_degraded_and_names_its_block(tmp_pa
         coord.popen.send_signal(signal.SIGINT)
         assert coord.wait(90) == 130, coord.output
     finally:
+        if paused:
+            os.kill(survivor, signal.SIGCONT)
         for p in procs.values():
             p.stop()
     assert_all_gone(tree)
