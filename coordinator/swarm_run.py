@@ -214,6 +214,8 @@ class SwarmRun:
         self.progress.step = self._last_step
         if state.started:
             self._train_t0 = time.monotonic() - state.train_seconds
+        if state.started and self._last_step + 1 >= self.s.train.steps:
+            self._finished.set()  # killed while collecting the blocks: the final report will not come again
 
     # ---- called by the control service ----------------------------------------------------------
     def register(self, req: cpb.JoinRequest, claim: ResumeClaim | None = None) -> PeerSession:
@@ -253,7 +255,7 @@ class SwarmRun:
         return (
             self.plan is not None
             and claim.run_id == self.run_id
-            and claim.plan_version == self.plan.version
+            and claim.plan_version <= self.plan.version  # one peer per stage: same blocks, same neighbours
             and (claim.stage, claim.layer_start, claim.layer_end) == (a.stage, a.layer_start, a.layer_end)
             and claim.weight_version >= self._restore_version
         )
@@ -355,6 +357,10 @@ class SwarmRun:
         peers = []
         for x in self.sessions.values():
             a, b = self.planned.get(x.peer_id, (0, 0, ""))[:2]
+            if b == 0 and self.plan is not None and x.stage is not None and x.stage < len(self.plan.stages):
+                a, b = self.plan.stages[x.stage].layer_start, self.plan.stages[x.stage].layer_end  # a lost peer
+            if b == 0:
+                continue  # no block to show (its row would not parse)
             (t0, then), (t1, now) = (x.window[0], x.window[-1]) if x.window else ((0.0, None), (0.0, x.stats))
             peers.append(
                 peer_status_from_stats(

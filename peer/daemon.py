@@ -371,8 +371,8 @@ class PeerDaemon:
 
     def request_leave(self) -> None:
         """First Ctrl-C/SIGTERM: hand the block over through the coordinator, then go; the second: go now."""
-        if self.leaving.is_set() or self.assignment is None or self._control is None:
-            self.stopping.set()
+        if self.leaving.is_set() or self.assignment is None or self._control is None or not self._attached:
+            self.stopping.set()  # (no coordinator to hand the block to while it is away: go now)
             return
         self.leaving.set()
         log.info(
