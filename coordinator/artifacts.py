@@ -17,7 +17,11 @@ class RunArtifacts:
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = (self.dir / "metrics.jsonl").open("a", buffering=1)
+        path = self.dir / "metrics.jsonl"
+        torn = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+        self._metrics = path.open("a", buffering=1)
+        if torn:  # a coordinator killed mid-line: the resumed run's lines must not stick to that fragment
+            self._metrics.write("\n")
 
     def log(self, kind: str, **values: object) -> None:
         self._metrics.write(json.dumps({"kind": kind, "time": time.time(), **values}) + "\n")

@@ -13,7 +13,8 @@ from hivemind.p2p import P2PDaemonError
 
 from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, with_train_options
-from coordinator.swarm_run import RunSettings, SwarmRun
+from coordinator.run_state import CoordinatorState, StateError, forget_run, load_state, settings_diff, state_path
+from coordinator.swarm_run import RunSettings, SwarmRun, settings_record
 from swarm.auth import load_or_create_token, parse_token
 from swarm.config_file import enable_config, remove_join_file, write_join_file
 from swarm.logs import setup_logging
@@ -63,9 +64,20 @@ def serve(
         int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this port (0: any free).")
     ] = None,
     metrics_host: Annotated[str, typer.Option(help="Address of the Prometheus endpoint.")] = "127.0.0.1",
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            help="Start run NAME over: forget its saved coordinator state and block checkpoints "
+            "(without it, a run whose state is on disk resumes)."
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
-    """Wait for PEERS peers, split the model among them, train, and write the run's artefacts."""
+    """Wait for PEERS peers, split the model among them, train, and write the run's artefacts.
+
+    A run started with --name resumes after a coordinator restart: the same command picks up its plan
+    and step count from RUNS_DIR/NAME, and the peers, which train on meanwhile, re-attach.
+    """
     setup_logging(log_level)
     if host in ("0.0.0.0", "::") and not announce:
         raise typer.BadParameter(
@@ -78,6 +90,15 @@ def serve(
     except (ValueError, OSError) as e:
         raise typer.BadParameter(str(e), param_hint="--swarm-token") from None
     name = options.run_name()
+    if fresh:
+        forget_run(options.runs_dir / name)
+    try:
+        saved = load_state(options.runs_dir / name)
+        if saved is not None:
+            port, dht_port = _resume_ports(saved, port, dht_port)
+    except StateError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     settings = RunSettings(
         swarm_token=token,
         name=name,
@@ -97,13 +118,28 @@ def serve(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
     )
+    if saved is not None:
+        diffs = settings_diff(saved.settings, settings_record(settings))
+        if diffs:
+            typer.echo(
+                f"error: run {name!r} was started with other settings ({'; '.join(diffs[:5])}); restart it with "
+                "the same flags, pick another --name, or pass --fresh to start it over",
+                err=True,
+            )
+            raise typer.Exit(2)
+        typer.echo(
+            f"resuming run {name!r} from {state_path(settings.run_dir)} "
+            f"({saved.last_step + 1} steps done; --fresh starts it over)"
+        )
     if join_file is not None:
         remove_join_file(join_file)  # a stale one names a DHT identity that no longer exists
+    key_file = key_file or options.runs_dir / f"{swarm}.coordinator.pem"
     try:
         membership = Membership(
             MembershipSettings(
                 swarm=swarm,
-                key_file=key_file or options.runs_dir / f"{swarm}.coordinator.pem",
+                key_file=key_file,
+                identity_file=key_file.with_suffix(".p2p-identity"),
                 host=host,
                 dht_port=dht_port,
                 announce_host=announce,
@@ -115,7 +151,7 @@ def serve(
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
         raise typer.Exit(2) from None
     try:
-        raise typer.Exit(uvloop.run(_serve(settings, membership, join_file)))
+        raise typer.Exit(uvloop.run(_serve(settings, membership, join_file, saved)))
     finally:
         membership.shutdown()
         if join_file is not None:
@@ -131,8 +167,23 @@ def join_command(run: SwarmRun, membership: Membership) -> str:
     )
 
 
-async def _serve(settings: RunSettings, membership: Membership, join_file: Path | None = None) -> int:
-    run = SwarmRun(settings, membership)
+def _resume_ports(saved: CoordinatorState, port: int, dht_port: int) -> tuple[int, int]:
+    """A resumed run listens where its peers redial: the control port in its plan, the DHT port they know."""
+    if saved.finished:
+        raise StateError(f"run {saved.run_id!r} already finished; pick another --name, or --fresh to train it again")
+    for flag, given, kept in (("--port", port, saved.port), ("--dht-port", dht_port, saved.dht_port)):
+        if given not in (0, kept):
+            raise StateError(
+                f"run {saved.run_id!r} listened on {flag} {kept} and its peers redial that; "
+                f"restart it with {flag} {kept} (or 0), or pass --fresh to start it over"
+            )
+    return saved.port, saved.dht_port
+
+
+async def _serve(
+    settings: RunSettings, membership: Membership, join_file: Path | None = None, saved: CoordinatorState | None = None
+) -> int:
+    run = SwarmRun(settings, membership, resume=saved)
     port = await run.start_server()
     run.progress.message(
         f"coordinator of swarm {settings.swarm!r} on {settings.host}:{port} "

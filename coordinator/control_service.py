@@ -17,6 +17,7 @@ from swarm.config import PROTOCOL_VERSION
 from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.resume import ATTACHED_KEY, ResumeClaim
 from swarm.transport import GRPC_OPTIONS
 from swarm.wire import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
 
@@ -63,11 +64,17 @@ class ControlService(cgrpc.ControlServicer):
         if not request.peer_id or len(request.peer_id) > 128:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer_id must be 1..128 characters")
         try:
-            session = self.run.register(request)
+            claim = ResumeClaim.from_metadata(context.invocation_metadata())
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            session = self.run.register(request, claim)
         except PermissionError as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        # tells a re-attaching peer at once that it is back in (an adopted peer may get no command for long)
+        await context.send_initial_metadata(((ATTACHED_KEY, "adopted" if session.adopted else "assigned"),))
         try:
             while True:
                 command = await session.commands.get()

@@ -40,6 +40,7 @@ class MembershipSettings:
     heartbeat: float = 5.0
     initial_peers: tuple[str, ...] = ()
     require_signed_records: bool = True  # ignore peer records not signed by their peer's key
+    identity_file: Path | None = None  # a fixed DHT identity: peers' initial-peer addresses survive a restart
 
 
 class Membership:
@@ -62,6 +63,8 @@ class Membership:
         kwargs = {}
         if self.s.announce_host:
             kwargs["announce_maddrs"] = [f"/{ip}/{self.s.announce_host}/tcp/{self.s.dht_port}"]
+        if self.s.identity_file is not None:
+            kwargs["identity_path"] = str(self.s.identity_file)
         self.dht = OwnedDHT(
             start=True,
             host_maddrs=[f"/{ip}/{self.s.host}/tcp/{self.s.dht_port}"],

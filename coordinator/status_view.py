@@ -8,9 +8,11 @@ client turns it back with :meth:`SwarmStatus.from_dict`, judges it with :func:`v
 Verdict rules (the first line of ``ravn status``; the most severe level wins, problems listed in order):
 
 ===========  ====================================================================================
-broken       the run reports a failure; a block has no live replica (``layers [a,b) uncovered``);
-             the blocks leave a gap in the layers.
-degraded     no plan yet (still waiting for peers); a peer's last heartbeat is older than
+broken       the run reports a failure; a block has no live replica (``layers [a,b) uncovered``) and
+             no recovery is under way; the blocks leave a gap in the layers.
+degraded     the coordinator is recovering from a lost peer (``recovering``: from detection until the
+             swarm has trained its first step again; an uncovered block counts as degraded meanwhile);
+             no plan yet (still waiting for peers); a peer's last heartbeat is older than
              3 heartbeats; a peer dropped stale gradients or refused packets in the last window
              (``dropped_recent`` / ``refused_recent`` > 0: the totals are rising); with an async
              schedule (``max_staleness`` S > 0), a peer's staleness p99 is at the bound S.
@@ -26,7 +28,8 @@ JSON shape of :func:`status_json` (``--json``; keys are stable, new keys may be 
                  "problems": [{"severity": "degraded"|"broken", "why": str,
                                "block": [a, b] | null, "peer": str | null}]},
      "run": {"name", "step", "total_steps", "loss", "val_loss", "tokens_per_s", "eta_s",
-             "wire_bytes_per_token", "loss_history": [float], "heartbeat_s", "max_staleness", "failure"},
+             "wire_bytes_per_token", "loss_history": [float], "heartbeat_s", "max_staleness", "failure",
+             "recovering", "recovering_layers": [a, b] | null},
      "peers": [{"name", "device", "block": [a, b], "state", "tokens_per_s", "up_mbit_s", "down_mbit_s",
                 "staleness_counts": [int], "staleness_p50", "staleness_p99", "heartbeat_age_s",
                 "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction"}],
@@ -79,6 +82,8 @@ class RunStatus:
     heartbeat_s: float = 5.0  # the swarm's heartbeat: what "silent" is measured in
     max_staleness: int = 0  # the async bound S (0: sync, the staleness rule is off)
     failure: str = ""  # why the run failed, if it did
+    recovering: str = ""  # what the coordinator is recovering from, while it does (e.g. "lost peer p2 (...)")
+    recovering_layers: Block | None = None  # the block that lost its peer, when one did
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,11 @@ class SwarmStatus:
             "schema": SCHEMA,
             "swarm": self.swarm,
             "generated_at": self.generated_at,
-            "run": {**_fields(self.run), "loss_history": [_finite(x) for x in self.run.loss_history]},
+            "run": {
+                **_fields(self.run),
+                "loss_history": [_finite(x) for x in self.run.loss_history],
+                "recovering_layers": list(self.run.recovering_layers) if self.run.recovering_layers else None,
+            },
             "peers": [
                 {**_fields(p), "block": list(p.block), "staleness_counts": list(p.staleness_counts)} for p in self.peers
             ],
@@ -173,6 +182,8 @@ class SwarmStatus:
                 heartbeat_s=run.num("heartbeat_s", default=5.0) or 5.0,
                 max_staleness=run.count("max_staleness", default=0),
                 failure=run.text("failure", default=""),
+                recovering=run.text("recovering", default=""),
+                recovering_layers=run.optional_block("recovering_layers"),
             ),
             peers=tuple(
                 PeerStatus(
@@ -281,6 +292,9 @@ class _Reader:
         if not ok or not 0 <= v[0] < v[1]:
             raise self._bad(key, "[a, b] with 0 <= a < b", v)
         return (v[0], v[1])
+
+    def optional_block(self, key: str) -> Block | None:
+        return None if self.d.get(key) is None else self.block(key)
 
     def sub(self, key: str) -> _Reader:
         return _Reader(self._get(key, self._MISSING), f"{self.path}.{key}")
@@ -400,10 +414,16 @@ def verdict(status: SwarmStatus) -> Verdict:
     degraded: list[Problem] = []
     if run.failure:
         broken.append(Problem("broken", f"run failed: {run.failure}"))
+    if run.recovering:
+        degraded.append(Problem("degraded", f"{run.recovering}; recovering", block=run.recovering_layers))
     for b in sorted(status.blocks, key=lambda b: b.layers):
-        if not b.covered:
-            broken.append(
-                Problem("broken", f"layers {_layers(b.layers)} uncovered: no live peer holds them", block=b.layers)
+        if not b.covered:  # while the coordinator recovers, an uncovered block is being restored: degraded
+            (degraded if run.recovering else broken).append(
+                Problem(
+                    "degraded" if run.recovering else "broken",
+                    f"layers {_layers(b.layers)} uncovered: no live peer holds them",
+                    block=b.layers,
+                )
             )
     for gap in _gaps([b.layers for b in status.blocks]):
         broken.append(Problem("broken", f"layers {_layers(gap)} are in no block of the plan", block=gap))

@@ -8,7 +8,9 @@ peer fails. Peers only report; they never talk to the coordinator about each oth
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -25,6 +27,7 @@ from coordinator.membership import Membership, make_plan
 from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
 from coordinator.progress import Progress
 from coordinator.reachability import Unarrangeable, arrange
+from coordinator.run_state import CoordinatorState, read_events, save_state
 from coordinator.status_view import (
     ExcludedPeer,
     RunStatus,
@@ -41,6 +44,7 @@ from swarm.metrics import MetricsServer
 from swarm.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.resume import ResumeClaim
 from swarm.transport import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 
 STATUS_WINDOW_S = 10.0
 JOIN_MIN_GAIN = 0.05  # a joining peer reshuffles the swarm only for more than this predicted throughput gain
+RESUME_TIMEOUT = 120.0  # a restarted coordinator waits this long for its peers to re-attach (they redial for 60 s)
 
 
 class RunFailed(RuntimeError):
@@ -66,6 +71,7 @@ class PeerSession:
     stats: cpb.StageStats = field(default_factory=cpb.StageStats)
     last_seen: float = field(default_factory=time.monotonic)
     window: deque = field(default_factory=deque)  # (time, StageStats) of the last ~10 s, for rates
+    adopted: bool = False  # re-attached to a restarted coordinator with its block, still training
 
 
 @dataclass
@@ -91,8 +97,27 @@ class RunSettings:
     replicate: int = -1  # the stage that gets the replicas (-1: the slowest predicted)
 
 
+def settings_record(s: RunSettings) -> dict:
+    """The settings a restart must repeat, as plain JSON (compared with the saved ones)."""
+    record = {
+        "model": asdict(s.model),
+        "train": asdict(s.train),
+        "hf": asdict(s.hf) if s.hf else None,
+        "peers": s.peers,
+        "model_name": s.model_name,
+        "swarm": s.swarm,
+    }
+    return json.loads(json.dumps(record, default=str))
+
+
 class SwarmRun:
-    def __init__(self, settings: RunSettings, membership: Membership, progress: Progress | None = None) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        membership: Membership,
+        progress: Progress | None = None,
+        resume: CoordinatorState | None = None,
+    ) -> None:
         self.s = settings
         self.membership = membership
         self.plan: Plan | None = None
@@ -135,14 +160,78 @@ class SwarmRun:
         self._finished = asyncio.Event()
         self._states_in = asyncio.Event()
         self._failure: str | None = None
+        self._fatal = ""  # the reason the run ended in failure (no recovery left)
+        self._incident = ""  # what the swarm is recovering from: `ravn status` says degraded until it trains again
+        self._incident_layers: tuple[int, int] | None = None
+        self._incident_ends_at_step = False  # set once training restarted: the next step report clears it
         self._failed = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._started = False
         self._last_step = -1
+        self._resume = resume
+        self._resumed_through = -1  # steps up to here were logged before a restart: a peer's re-send is dropped
+        self._dht_port: int | None = None
+        self._records_due: dict[str, float] = {}  # re-attached peers: when their DHT record must be back
+        if resume is not None:
+            self._load(resume)
+
+    # ---- state on disk (a restarted coordinator picks the run up) -------------------------------
+    def _state(self, *, finished: bool = False) -> CoordinatorState:
+        if self._dht_port is None:  # asks the DHT process: once, not at every report
+            found = [re.search(r"/tcp/(\d+)", m) for m in self.membership.maddrs()]
+            self._dht_port = next((int(m[1]) for m in found if m), 0)
+        return CoordinatorState(
+            run_id=self.run_id,
+            swarm=self.s.swarm,
+            settings=settings_record(self.s),
+            port=self.port,
+            dht_port=self._dht_port,
+            plan=self.plan.model_dump(mode="json") if self.plan is not None else None,
+            planned=self.planned,
+            reachable=self.reachable,
+            started=self._started,
+            finished=finished,
+            last_step=self._last_step,
+            restore_version=self._restore_version,
+            train_seconds=time.monotonic() - self._train_t0 if self._train_t0 else 0.0,
+            checkpoints=self.store.describe(),
+            saved_at=time.time(),
+        )
+
+    def _save_state(self, *, finished: bool = False) -> None:
+        """Write the run's state atomically; runs on the event loop after every plan and step report."""
+        if not self.port:
+            return
+        try:
+            save_state(self.s.run_dir, self._state(finished=finished))
+        except OSError as e:
+            log.warning("could not save the coordinator state: %s", e)
+
+    def _load(self, state: CoordinatorState) -> None:
+        """Take over a saved run: its plan, step count and losses (from metrics.jsonl), its restore point."""
+        self.plan = Plan.model_validate(state.plan) if state.plan is not None else None
+        self.plan_version = self.plan.version if self.plan is not None else 0
+        self.planned = {p: (a, b, e) for p, (a, b, e) in state.planned.items()}
+        self.reachable = dict(state.reachable)
+        self._restore_version = state.restore_version
+        self._last_step = state.last_step
+        for event in read_events(self.s.run_dir):
+            if event.get("kind") == "step":
+                self.train_losses.append((event["step"], event["loss"]))
+                self._step_tokens.append(event["tokens"])
+                self._last_step = event["step"]
+            elif event.get("kind") == "eval":
+                self.val_losses.append((event["step"], event["loss"]))
+        self._resumed_through = self._last_step
+        self.progress.step = self._last_step
+        if state.started:
+            self._train_t0 = time.monotonic() - state.train_seconds
+        if state.started and self._last_step + 1 >= self.s.train.steps:
+            self._finished.set()  # killed while collecting the blocks: the final report will not come again
 
     # ---- called by the control service ----------------------------------------------------------
-    def register(self, req: cpb.JoinRequest) -> PeerSession:
+    def register(self, req: cpb.JoinRequest, claim: ResumeClaim | None = None) -> PeerSession:
         if req.peer_id in self.excluded:
             raise PermissionError(f"peer {req.peer_id!r} is excluded from this run: {self.excluded[req.peer_id]}")
         if req.peer_id in self.sessions:
@@ -158,11 +247,33 @@ class SwarmRun:
         self.sessions[req.peer_id] = session
         assignment = self._assignment(req.peer_id)
         session.stage = assignment.stage
-        session.commands.put_nowait(cpb.Command(assign=assignment))
+        if claim is not None and self._matches(claim, assignment):
+            session.adopted = session.ready = True  # it trains on with the block it has: no new assignment
+            self._records_due[req.peer_id] = time.monotonic() + self.membership.ttl + 2 * self.membership.s.heartbeat
+            self.progress.message(
+                f"peer {req.peer_id} re-attached with stage {claim.stage} layers [{claim.layer_start},"
+                f"{claim.layer_end}) at weight version {claim.weight_version} (generation {claim.generation})"
+            )
+            if all(x.ready for x in self.sessions.values()) and set(self.sessions) >= set(self.planned):
+                self._ready.set()
+        else:
+            if claim is not None:
+                self.progress.message(f"peer {req.peer_id} re-attached, but not with its planned block: re-assigning")
+            session.commands.put_nowait(cpb.Command(assign=assignment))
         log.info("peer %s joined from %s (%s)", req.peer_id, req.endpoint, req.device)
         if set(self.sessions) == set(self.planned):
             self._joined.set()
         return session
+
+    def _matches(self, claim: ResumeClaim, a: cpb.Assignment) -> bool:
+        """Does a re-attaching peer hold exactly what the current plan gives it?"""
+        return (
+            self.plan is not None
+            and claim.run_id == self.run_id
+            and claim.plan_version <= self.plan.version  # one peer per stage: same blocks, same neighbours
+            and (claim.stage, claim.layer_start, claim.layer_end) == (a.stage, a.layer_start, a.layer_end)
+            and claim.weight_version >= self._restore_version
+        )
 
     def known(self, peer_id: str) -> bool:
         return peer_id in self.sessions
@@ -175,6 +286,20 @@ class SwarmRun:
                 asyncio.ensure_future(self._replica_gone(peer_id, f"is gone ({why})"))
                 return
             self._lost.add(peer_id)
+            self._note_incident(f"lost peer {peer_id} ({why})", peer_id)
+
+    def _note_incident(self, why: str, peer_id: str | None = None) -> None:
+        """Remember what went wrong until the swarm trains again (what `ravn status` names).
+
+        The first cause wins, except that a lost peer replaces a cause that names no block: its neighbours'
+        broken links are often reported a moment before the coordinator sees the peer's stream end.
+        """
+        if self._finished.is_set() or (self._incident and (self._incident_layers or not peer_id)):
+            return
+        self._incident = why
+        planned = self.planned.get(peer_id) if peer_id else None
+        self._incident_layers = planned[:2] if planned else None
+        self._incident_ends_at_step = False
 
     def peer_failed(self, peer_id: str, reason: str) -> None:
         """A peer process died (seen by its launcher); ignored if recovery already dealt with it."""
@@ -183,6 +308,7 @@ class SwarmRun:
             return
         if peer_id in self.sessions or not self._started:
             self._lost.add(peer_id)
+            self._note_incident(reason, peer_id)
             self.fail(reason)
 
     def fail(self, reason: str) -> None:
@@ -205,14 +331,20 @@ class SwarmRun:
             session.ready = True
             if all(x.ready for x in self.sessions.values()) and set(self.sessions) >= set(self.planned):
                 self._ready.set()
-        for st in r.steps:
+        if r.steps and self._incident_ends_at_step:
+            self._incident, self._incident_layers, self._incident_ends_at_step = "", None, False
+        steps = [st for st in r.steps if st.step > self._resumed_through]
+        evals = [ev for ev in r.evals if ev.step > self._resumed_through]
+        if len(steps) < len(r.steps):
+            log.info("dropped %d step reports logged before the restart", len(r.steps) - len(steps))
+        for st in steps:
             self.train_losses.append((st.step, st.loss))
             self._last_step = st.step
             self.artifacts.log("step", step=st.step, loss=st.loss, tokens=st.tokens, seconds=st.seconds)
             self.progress.on_step(st.step, st.loss, st.tokens, st.seconds)
             self._step_tokens.append(st.tokens)
             self.metrics.on_step(st.step, st.loss, st.tokens)
-        for ev in r.evals:
+        for ev in evals:
             self.val_losses.append((ev.step, ev.loss))
             self.artifacts.log("eval", step=ev.step, loss=ev.loss, tokens=ev.tokens)
             self.progress.on_eval(ev.step, ev.loss)
@@ -225,6 +357,8 @@ class SwarmRun:
             self._finished.set()
         for q in r.quarantined:
             self._exclude(q.peer_id, q.reason, by=r.peer_id)
+        if steps or r.finished:
+            self._save_state()
         if r.error:
             self.fail(f"peer {r.peer_id}: {r.error}")
         if r.leaving and r.peer_id not in self._leaving:
@@ -264,6 +398,10 @@ class SwarmRun:
         peers = []
         for x in self.sessions.values():
             a, b = self.planned.get(x.peer_id, (0, 0, ""))[:2]
+            if b == 0 and self.plan is not None and x.stage is not None and x.stage < len(self.plan.stages):
+                a, b = self.plan.stages[x.stage].layer_start, self.plan.stages[x.stage].layer_end  # a lost peer
+            if b == 0:
+                continue  # no block to show (its row would not parse)
             (t0, then), (t1, now) = (x.window[0], x.window[-1]) if x.window else ((0.0, None), (0.0, x.stats))
             peers.append(
                 peer_status_from_stats(
@@ -298,12 +436,23 @@ class SwarmRun:
             loss_history=tuple(v for _, v in self.train_losses[-120:]),
             heartbeat_s=self.membership.s.heartbeat,
             max_staleness=self.s.train.staleness_bound,
-            failure=self._failure or "",
+            **self._trouble(),
         )
         excluded = tuple(ExcludedPeer(name=p, reason=why) for p, why in self.excluded.items())
         return SwarmStatus(
             run=run, peers=tuple(peers), blocks=blocks, swarm=self.s.swarm, generated_at=time.time(), excluded=excluded
         )
+
+    def _trouble(self) -> dict[str, object]:
+        """``failure`` (broken) only when no recovery can follow; otherwise what is being recovered (degraded)."""
+        recoverable = self._started and bool(self.s.train.checkpoint_every) and not self._fatal
+        failure = self._fatal or ("" if recoverable else self._failure or "")
+        recovering = self._incident or ((self._failure or "") if recoverable else "")
+        return {
+            "failure": failure,
+            "recovering": recovering,
+            "recovering_layers": self._incident_layers if recovering else None,
+        }
 
     def on_state(self, peer_id: str, stage: int, tensors: dict[str, torch.Tensor]) -> None:
         self.states[stage] = tensors
@@ -475,6 +624,7 @@ class SwarmRun:
 
     async def _publish(self, plan: Plan) -> None:
         self.plan = plan
+        self._save_state()
         if not await self.membership.publish(plan):
             log.warning("plan version %d was not stored in the DHT; retrying at the next heartbeat", plan.version)
 
@@ -559,10 +709,13 @@ class SwarmRun:
                 record = records.get(peer_id)
                 if record is not None and record.state != "leaving":
                     continue
+                if record is None and self._resume is not None and self._awaiting_record(peer_id):
+                    continue
                 if record is None and self._started and not self._recovering and self._replicated(peer_id):
                     await self._replica_gone(peer_id, "stopped heartbeating (its record expired)")
                     continue
                 why = "left gracefully" if record is not None else "stopped heartbeating (its record expired)"
+                self._note_incident(f"peer {peer_id} {why}", peer_id)
                 del self.planned[peer_id]
                 self._departed.add(peer_id)
                 self.uncovered.append(f"layers [{a},{b})")
@@ -585,6 +738,10 @@ class SwarmRun:
                 self._departures.append(reason)
                 if not self._finished.is_set():
                     self.fail(reason)
+
+    def _awaiting_record(self, peer_id: str) -> bool:
+        """After a restart, a peer's DHT record reaches our new DHT node only after the peer re-attached."""
+        return peer_id not in self.sessions or time.monotonic() < self._records_due.get(peer_id, 0.0)
 
     def on_checkpoint(
         self, chunk: cpb.StateChunk, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]
@@ -629,6 +786,7 @@ class SwarmRun:
         """Re-plan the surviving peers and restart them from the latest complete checkpoint."""
         t0 = time.monotonic()
         self._recovering = True
+        self._note_incident(reason)
         self._failure = None  # handled here; waits below must not trip over it
         self._failed.clear()
         self.progress.message(f"recovering: {reason}")
@@ -656,6 +814,7 @@ class SwarmRun:
             if not survivors:
                 raise RunFailed(f"{reason}; no peer is left to continue")
             version = self._restore_version = self.store.latest_complete() or 0
+            self._resumed_through = -1  # steps are redone from here: all of them count
             await self._publish(self._plan_for(survivors))
             self._lost -= gone
             self._departed -= gone
@@ -732,23 +891,46 @@ class SwarmRun:
         )
         code = 0
         background = [asyncio.create_task(self._keep_plan_alive())]
+        resume = self._resume
         try:
-            await self._publish(self._publishable([(0, s.model.n_layers, [])]))  # the swarm exists: come in
-            records = await self._gather()
-            await self._publish(self._plan_for(records))
-            self.progress.message("plan: " + ", ".join(f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items()))
-            for peer_id, (a, b, _) in self.planned.items():
-                self.artifacts.log("assign", peer=peer_id, layers=[a, b])
+            if resume is None:
+                await self._publish(self._publishable([(0, s.model.n_layers, [])]))  # the swarm exists: come in
+                records = await self._gather()
+                await self._publish(self._plan_for(records))
+                self.progress.message(
+                    "plan: " + ", ".join(f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items())
+                )
+                for peer_id, (a, b, _) in self.planned.items():
+                    self.artifacts.log("assign", peer=peer_id, layers=[a, b])
+            else:
+                await self._announce_resume(resume)
             background.append(asyncio.create_task(self._watch_membership()))
-            await self._wait(self._joined, s.join_timeout, "the planned peers to dial in")
+            if resume is None:
+                await self._wait(self._joined, s.join_timeout, "the planned peers to dial in")
+            else:
+                await self._wait(self._joined, min(s.join_timeout, RESUME_TIMEOUT), "the peers to re-attach")
             first_step = 0
-            self._train_t0 = time.monotonic()
+            if not self._train_t0:
+                self._train_t0 = time.monotonic()
+            adopted = resume is not None and resume.started and all(x.adopted for x in self.sessions.values())
             while True:
                 try:
+                    if adopted:  # the swarm trained on while the coordinator was away: follow it
+                        adopted = False
+                        self._started = True
+                        self.progress.start()
+                        self.progress.message(f"re-attached all {len(self.sessions)} peers: training goes on")
+                        self.artifacts.log("resume", step=self._last_step + 1, plan_version=self.plan_version)
+                        await self._wait(self._finished, float("inf"), "training to finish")
+                        break
+                    if resume is not None and resume.started and not self._started:
+                        self._started = True  # a peer came back without its block: restart all from a checkpoint
+                        raise RunFailed("not every peer re-attached with its block")
                     await self._wait(self._ready, s.ready_timeout, "every peer to load its block")
                     first = next(x for x in self.sessions.values() if x.stage == 0)
                     start = cpb.Start(first_step=first_step, num_steps=s.train.steps - first_step)
                     first.commands.put_nowait(cpb.Command(start=start))
+                    self._incident_ends_at_step = bool(self._incident)
                     if not self._started:
                         self._started = True
                         self._baseline = {x.peer_id: x.stats for x in self.sessions.values()}
@@ -765,6 +947,7 @@ class SwarmRun:
             if self._started and not self._failed.is_set():
                 await self._stop_after_step()
         except RunFailed as e:
+            self._fatal = str(e)
             if self._started and not self.uncovered:  # give the DHT time to tell who is gone
                 await asyncio.sleep(0)
                 deadline = time.monotonic() + self.membership.ttl + 3 * self.membership.s.heartbeat + 5.0
@@ -778,10 +961,22 @@ class SwarmRun:
                 task.cancel()
         if code == 0 or (code == 130 and self._finished.is_set()):
             await self._collect_and_save()
+        self._save_state(finished=code == 0)
         await self._release()
         self._write_summary()
         self._write_plot()
         return code
+
+    async def _announce_resume(self, resume: CoordinatorState) -> None:
+        """Re-publish the saved plan (same version, same endpoints) so that the redialling peers find us."""
+        if self.plan is None:
+            raise RunFailed("the saved state has no plan; start the run over with --fresh")
+        await self._publish(self.plan)
+        plan = ", ".join(f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items())
+        self.progress.message(
+            f"resuming run {self.run_id!r} from its saved state: plan v{self.plan_version} {plan}; "
+            f"{self._last_step + 1} steps done; waiting for the peers to re-attach"
+        )
 
     async def _stop_after_step(self, timeout: float = 30.0) -> None:
         first = next(s for s in self.sessions.values() if s.stage == 0)

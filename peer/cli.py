@@ -94,6 +94,14 @@ def join(
     ] = 5.0,
     step_timeout: Annotated[float, typer.Option(help="Seconds the data source waits for a step's gradients.")] = 300.0,
     find_timeout: Annotated[float, typer.Option(help="Seconds to look for the swarm's coordinator in the DHT.")] = 60.0,
+    coordinator_grace: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Seconds to train on and redial when the coordinator is gone, so a restarted one can "
+            "re-attach this peer (0: leave at once).",
+        ),
+    ] = 60.0,
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
     debug_slow_stage: Annotated[
         str, typer.Option(hidden=True, help="Testing: STAGE=SECONDS adds SECONDS per pass to that stage's holders.")
@@ -181,6 +189,7 @@ def join(
         device=device,
         threads=threads,
         step_timeout=step_timeout,
+        coordinator_grace=coordinator_grace,
         slowdown=debug_slowdown,
         slow_layers=_slow_layers(debug_slow_layers),
         slow_stage=_slow_stage(debug_slow_stage),

@@ -37,6 +37,7 @@ from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.resume import ATTACHED_KEY, ResumeClaim
 from swarm.routing import ReplicaRouter
 from swarm.sanity import DAEMON_SETTINGS, LinkSanity, SanityError
 from swarm.stage_factory import build_runner
@@ -66,6 +67,7 @@ class PeerSettings:
     plan_timeout: float = 600.0
     status_every: float = 10.0  # seconds between the one-line live status in the log
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
+    coordinator_grace: float = 60.0  # how long to train on and redial when the coordinator is gone (0: exit at once)
     slowdown: float = 0.0  # testing: an artificially slow peer
     slow_layers: tuple[int, int, float] | None = None  # testing: layers [a, b) cost this many extra seconds
     slow_stage: tuple[int, float] | None = None  # testing: whoever holds this stage is this much slower per pass
@@ -126,7 +128,9 @@ class PeerDaemon:
         self._control: cgrpc.ControlStub | None = None
         self._channel: grpc.aio.Channel | None = None
         self._tasks: list[asyncio.Task] = []
-        self._pending_reports: list[cpb.StatusReport] = []
+        self._pending: cpb.StatusReport | None = None  # undelivered steps/evals/flags, merged; sent on re-attach
+        self._report_lock = asyncio.Lock()  # reports reach the coordinator in the order they were made
+        self._attached = False  # the coordinator accepted our Join and the stream is up
 
     # ---- compute thread -------------------------------------------------------------------------
     async def run_compute(self, fn, *args, priority: int = OTHER):
@@ -253,22 +257,75 @@ class PeerDaemon:
         )
 
     async def _session(self, coordinator: str) -> int:
-        """The control session with the coordinator: obey its commands in order."""
+        """The control session with the coordinator: obey its commands in order, and outlive its restart.
+
+        When the stream breaks, this peer keeps training and serving its block for ``coordinator_grace``
+        seconds while it redials (the endpoint named by the newest signed plan); a restarted coordinator
+        adopts it if its block still matches the plan. Reports that could not be delivered meanwhile are
+        kept and sent on re-attach, so the coordinator sees every step exactly once.
+        """
+        self._tasks.append(asyncio.create_task(self._report_loop(), name="report"))
+        grace, ever_attached, lost_at, delay = self.settings.coordinator_grace, False, 0.0, 0.5
+        while True:
+            try:
+                await self._obey(coordinator, resuming=ever_attached)
+                return 0
+            except grpc.aio.AioRpcError as e:
+                if self.stopping.is_set():
+                    return 0
+                if not ever_attached and not self._attached:
+                    log.error("lost the coordinator at %s: %s", coordinator, e.details())
+                    return 2
+                if self._attached:  # a new outage starts now
+                    self._attached, ever_attached, lost_at, delay = False, True, time.monotonic(), 0.5
+                    log.warning(
+                        "lost the coordinator at %s (%s); training on and redialling for up to %.0f s",
+                        coordinator,
+                        e.details(),
+                        grace,
+                    )
+                else:
+                    log.info("coordinator not back yet (%s)", e.details())
+                if time.monotonic() - lost_at >= grace:
+                    log.error(
+                        "lost the coordinator at %s and it did not come back within %.0f s (--coordinator-grace); "
+                        "leaving the swarm",
+                        coordinator,
+                        grace,
+                    )
+                    return 2
+                await self._sleep_unless_stopped(delay)
+                delay = min(2 * delay, 5.0)
+                coordinator = await self._coordinator_target(coordinator)
+            except (TimeoutError, AssignmentError) as e:
+                log.error("%s", e)
+                await self.fail(str(e))
+                return 2
+
+    async def _obey(self, coordinator: str, *, resuming: bool) -> None:
+        """One control stream: join (claiming our block when resuming), then run its commands until it ends."""
+        if self._channel is not None:
+            await self._channel.close()  # a fresh channel: no reconnect backoff left over from the outage
         self._channel = self.channel(coordinator, auth.COORDINATOR_AUDIENCE)
         self._control = cgrpc.ControlStub(self._channel)
-        try:
-            join = cpb.JoinRequest(
-                peer_id=self.peer_id,
-                endpoint=self.endpoint,
-                protocol_version=PROTOCOL_VERSION,
-                device=self.device,
-                free_memory=free_memory_bytes(self.device),
-                software_version=SOFTWARE_VERSION,
-            )
-            commands = self._control.Join(join)
-            self._tasks.append(asyncio.create_task(self._report_loop(), name="report"))
-            stop_wait = asyncio.create_task(self.stopping.wait())
+        join = cpb.JoinRequest(
+            peer_id=self.peer_id,
+            endpoint=self.endpoint,
+            protocol_version=PROTOCOL_VERSION,
+            device=self.device,
+            free_memory=free_memory_bytes(self.device),
+            software_version=SOFTWARE_VERSION,
+        )
+        claim = self._claim() if resuming else None
+        commands = self._control.Join(join, metadata=claim.metadata() if claim else None)
+        attached = dict(await commands.initial_metadata() or ()).get(ATTACHED_KEY)
+        if attached is not None:
+            self._on_attached(attached, resuming)
+        stop_wait = asyncio.create_task(self.stopping.wait())
+        try:  # a stream that ends without an error is the coordinator releasing this peer
             async for command in _until(commands, stop_wait):
+                if not self._attached:
+                    self._on_attached("assigned", resuming)
                 kind = command.WhichOneof("body")
                 log.info("command from coordinator: %s", kind)
                 if kind == "assign":
@@ -290,20 +347,60 @@ class PeerDaemon:
                 elif kind == "shutdown":
                     log.info("shutdown requested by the coordinator: %s", command.shutdown.reason)
                     break
-        except grpc.aio.AioRpcError as e:
-            if not self.stopping.is_set():
-                log.error("lost the coordinator at %s: %s", coordinator, e.details())
-                return 2
-        except (TimeoutError, AssignmentError) as e:
-            log.error("%s", e)
-            await self.fail(str(e))
-            return 2
-        return 0
+        finally:
+            stop_wait.cancel()
+
+    def _on_attached(self, how: str, resuming: bool) -> None:
+        self._attached = True
+        if resuming:
+            log.info(
+                "re-attached to the coordinator (%s); %d undelivered step reports follow",
+                "it adopted our block" if how == "adopted" else "it re-assigns our block",
+                len(self._pending.steps) if self._pending is not None else 0,
+            )
+            self._tasks.append(asyncio.create_task(self._after_reattach(), name="reattach"))
+
+    async def _after_reattach(self) -> None:
+        await self.report()  # flushes what piled up while the coordinator was away
+        if self.discovery is not None and not await self.discovery.rejoin():
+            log.warning("the coordinator's DHT node did not answer; the plan may reach this peer late")
+
+    def _claim(self) -> ResumeClaim | None:
+        """What we hold, for a restarted coordinator to compare with its plan."""
+        a, runner = self.assignment, self.runner
+        if a is None or runner is None or self.plan is None:
+            return None
+        return ResumeClaim(
+            run_id=a.run_id,
+            plan_version=self.plan.version,
+            stage=a.stage,
+            layer_start=a.layer_start,
+            layer_end=a.layer_end,
+            weight_version=runner.version,
+            generation=self.generation,
+        )
+
+    async def _coordinator_target(self, current: str) -> str:
+        """The control endpoint of the newest signed plan (a coordinator may come back elsewhere)."""
+        if self.discovery is None:
+            return current
+        try:
+            plan = await asyncio.wait_for(self.discovery.fetch(), 10)
+        except Exception as e:  # noqa: BLE001 - keep dialling the endpoint we know
+            log.info("could not read the plan from the DHT: %s", e)
+            return current
+        return multiaddr_to_grpc_target(plan.coordinator) if plan is not None else current
+
+    async def _sleep_unless_stopped(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except TimeoutError:
+            pass
 
     def request_leave(self) -> None:
         """First Ctrl-C/SIGTERM: hand the block over through the coordinator, then go; the second: go now."""
-        if self.leaving.is_set() or self.assignment is None or self._control is None:
-            self.stopping.set()
+        if self.leaving.is_set() or self.assignment is None or self._control is None or not self._attached:
+            self.stopping.set()  # (no coordinator to hand the block to while it is away: go now)
             return
         self.leaving.set()
         log.info(
@@ -916,16 +1013,25 @@ class PeerDaemon:
         )
 
     async def report(self, **fields) -> None:
+        """Send our stats; a report that carries more (steps, evals, ready, finished, an error, leaving) is
+        kept until the coordinator has it, and sent before anything newer, also across a coordinator restart."""
         stats = self.stats()
         self.metrics.update(stats)
-        if self._control is None:
-            return
         quarantined = [cpb.Quarantined(peer_id=p, reason=why) for p, why in self.sanity.quarantine.status().items()]
         msg = cpb.StatusReport(peer_id=self.peer_id, stats=stats, quarantined=quarantined, **fields)
-        try:
-            await self._control.Report(msg, timeout=10.0)
-        except grpc.aio.AioRpcError as e:
-            log.warning("report to the coordinator failed: %s", e.details())
+        async with self._report_lock:
+            if any(fields.values()):
+                self._pending = merge_reports(self._pending, msg)
+            if self._control is None or not self._attached:
+                return
+            out = self._pending or msg
+            out.stats.CopyFrom(stats)
+            try:
+                await self._control.Report(out, timeout=10.0)
+                if out is self._pending:
+                    self._pending = None
+            except grpc.aio.AioRpcError as e:
+                log.warning("report to the coordinator failed: %s", e.details())
 
     async def _report_loop(self) -> None:
         last_line, last = time.monotonic(), self.stats()
@@ -941,6 +1047,22 @@ class PeerDaemon:
         """A fault this peer cannot repair: tell the coordinator, which decides what happens next."""
         log.error(reason)
         await self.report(error=reason)
+
+
+def merge_reports(pending: cpb.StatusReport | None, new: cpb.StatusReport) -> cpb.StatusReport:
+    """One report that says everything ``pending`` and ``new`` say, in order (one call, however long the outage)."""
+    if pending is None:
+        merged = cpb.StatusReport()
+        merged.CopyFrom(new)
+        return merged
+    pending.steps.extend(new.steps)
+    pending.evals.extend(new.evals)
+    pending.ready |= new.ready
+    pending.finished |= new.finished
+    pending.leaving |= new.leaving
+    pending.error = pending.error or new.error
+    pending.stats.CopyFrom(new.stats)
+    return pending
 
 
 async def _until(stream, stop: asyncio.Task):

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
@@ -151,6 +152,26 @@ class Discovery:
             if self.record is not None:
                 await self.announce(self.record)
 
+    async def rejoin(self) -> bool:
+        """After a coordinator restart: ping its DHT node again, then re-announce this peer at once.
+
+        Our DHT node dropped the coordinator's from its routing table when it stopped answering, and the
+        restarted node (same identity and port) starts with an empty table; a ping puts each in the
+        other's table, so the coordinator sees our record again and we see its new plans.
+        """
+        if self.dht is None:
+            return False
+        try:
+            answered = await asyncio.to_thread(
+                self.dht.run_coroutine, partial(_ping_initial_peers, tuple(self.initial_peers))
+            )
+        except Exception as e:  # noqa: BLE001 - the DHT is best effort here; the record expiry grace covers it
+            log.warning("could not reconnect to the swarm's DHT: %s", e)
+            answered = 0
+        if self.record is not None:
+            await self.announce(self.record)
+        return answered > 0
+
     async def leave(self) -> None:
         """Graceful leave: a 'leaving' record hides this peer at once."""
         if self.dht is not None and self.record is not None:
@@ -162,3 +183,23 @@ class Discovery:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+async def _ping_initial_peers(maddrs: tuple[str, ...], _dht: object, node: object) -> int:
+    """Runs inside the DHT process: reconnect to and ping each initial peer; how many answered."""
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+    answered = 0
+    for maddr in maddrs:
+        full = Multiaddr(maddr)
+        peer_id = PeerID.from_base58(full["p2p"])
+        try:
+            await node.p2p._client.connect(peer_id, [full.decapsulate(Multiaddr(f"/p2p/{full['p2p']}"))])
+        except Exception:  # noqa: BLE001, S110 - the ping below says whether it is reachable
+            pass
+        if await node.protocol.call_ping(peer_id, validate=False, strict=False) is not None:
+            answered += 1
+    if answered:
+        await node.find_nearest_nodes([node.node_id])
+    return answered

@@ -5,13 +5,24 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 from tests.conftest import ravn_cmd, read_metrics
-from tests.swarm_procs import Proc
+from tests.swarm_procs import Proc, descendants
 
 C = 5
+
+
+def peer_pid(proc: Proc, name: str) -> int:
+    """The peer process ``name`` started by ``proc`` (never one of another test run on the same machine)."""
+    for pid in sorted(descendants(proc.popen.pid)):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"peer.cli" in argv and b"join" in argv and name.encode() in argv:
+            return pid
+    raise AssertionError(f"no peer process named {name} under pid {proc.popen.pid}")
 
 
 def test_sigkill_of_a_middle_peer_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
@@ -43,9 +54,7 @@ def test_sigkill_of_a_middle_peer_resumes_from_the_last_checkpoint(tmp_path: Pat
         order = [part.split("=")[0] for part in plan.group(1).split(", ")]
         victim = order[1]  # a middle stage
         proc.wait_for(r"^step 20: validation loss", 240)
-        pids = subprocess.run(["pgrep", "-f", f"peer.cli join .*--name {victim} "], capture_output=True, text=True)
-        pid = min(int(x) for x in pids.stdout.split())
-        os.kill(pid, signal.SIGKILL)
+        os.kill(peer_pid(proc, victim), signal.SIGKILL)
         killed, _ = proc.wait_for(rf"recovered without {victim}", 60)
         resumed, _ = proc.wait_for(r"resuming from step (\d+)", 5)
         assert proc.wait(240) == 0, proc.output
@@ -98,8 +107,7 @@ def test_graceful_leave_hands_the_block_over_without_losing_a_step(tmp_path: Pat
         _, plan = proc.wait_for(r"^plan: (.*)$", 180)
         victim = [part.split("=")[0] for part in plan.group(1).split(", ")][1]
         proc.wait_for(r"^step 10: validation loss", 240)
-        pids = subprocess.run(["pgrep", "-f", f"peer.cli join .*--name {victim} "], capture_output=True, text=True)
-        os.kill(min(int(x) for x in pids.stdout.split()), signal.SIGTERM)
+        os.kill(peer_pid(proc, victim), signal.SIGTERM)
         proc.wait_for(rf"recovered without {victim}.*\(0 steps redone\)", 90)
         assert proc.wait(240) == 0, proc.output
     finally:

@@ -146,7 +146,8 @@ def test_json_shape_is_stable_and_round_trips() -> None:
     assert d["verdict"]["problems"][0] == {"severity": "degraded", "why": d["verdict"]["problems"][0]["why"],
                                            "block": [2, 4], "peer": "p1"}
     assert set(d["run"]) == {"name", "step", "total_steps", "loss", "val_loss", "tokens_per_s", "eta_s",
-                             "wire_bytes_per_token", "loss_history", "heartbeat_s", "max_staleness", "failure"}
+                             "wire_bytes_per_token", "loss_history", "heartbeat_s", "max_staleness", "failure",
+                             "recovering", "recovering_layers"}
     assert set(d["peers"][0]) == {"name", "device", "block", "state", "tokens_per_s", "up_mbit_s", "down_mbit_s",
                                   "staleness_counts", "staleness_p50", "staleness_p99", "heartbeat_age_s",
                                   "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction"}
@@ -220,3 +221,15 @@ def test_degraded_problems_are_ordered_most_urgent_first() -> None:
     whys = [p.why for p in verdict(s).problems]
     kinds = [w.split()[2] for w in whys]
     assert kinds[:2] == ["silent", "dropped"] and set(kinds[2:]) == {"staleness"}
+
+
+def test_recovery_is_degraded_and_names_the_block_even_while_it_is_uncovered() -> None:
+    s = healthy(recovering="lost peer p1 (its control stream was cancelled)", recovering_layers=(2, 4))
+    s = replace(s, blocks=tuple(replace(b, replicas=0) if b.layers == (2, 4) else b for b in s.blocks))
+    v = verdict(s)
+    assert v.level == "degraded" and exit_code(v) == 1
+    assert v.line().startswith("degraded (layers [2,4): lost peer p1 (its control stream was cancelled); recovering")
+    assert {p.severity for p in v.problems} == {"degraded"}
+    back = SwarmStatus.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back.run.recovering_layers == (2, 4) and verdict(back) == v
+    assert SwarmStatus.from_dict(healthy().to_dict()).run.recovering_layers is None
