@@ -135,7 +135,7 @@ def test_wrong_protocol_and_strangers_are_refused() -> None:
             target, frames(old), grpc.StatusCode.FAILED_PRECONDITION, f"this peer speaks {PROTOCOL_VERSION}"
         )
         stranger = hello_packet("mallory", 0, "run", PROTOCOL_VERSION)
-        await expect_refusal(target, frames(stranger), grpc.StatusCode.PERMISSION_DENIED, "not an upstream neighbour of this stage")
+        await expect_refusal(target, frames(stranger), grpc.StatusCode.PERMISSION_DENIED, "not an upstream neighbour")
         other_run = hello_packet("upstream", 0, "another-run", PROTOCOL_VERSION)
         await expect_refusal(target, frames(other_run), grpc.StatusCode.FAILED_PRECONDITION, "is not this peer's run")
         big_first = activations(tensor_to_pb(good_hidden(), "fp32"))
