@@ -151,7 +151,7 @@ def test_assignments_must_match_the_signed_plan() -> None:
                 upstream_peer="mallory",
                 upstream_endpoint="/ip4/127.0.0.1/tcp/6",
             ),
-            "upstream mallory",
+            "mallory",
         ),
         (
             cpb.Assignment(
