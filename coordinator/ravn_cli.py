@@ -118,7 +118,6 @@ def status(
     tls_fingerprint: Annotated[
         str,
         typer.Option(
-            envvar="RAVN_COORDINATOR_TLS_FINGERPRINT",
             help="The coordinator serves TLS with this certificate (printed by ravn-coordinator serve); "
             "anything else is refused.",
         ),
