@@ -18,6 +18,7 @@ from coordinator.swarm_run import RunSettings, SwarmRun, settings_record
 from swarm.auth import load_or_create_token, parse_token
 from swarm.config_file import enable_config, remove_join_file, write_join_file
 from swarm.logs import setup_logging
+from swarm.tls import TlsError, TlsIdentity, identity_from_options
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -71,6 +72,17 @@ def serve(
             "(without it, a run whose state is on disk resumes)."
         ),
     ] = False,
+    tls: Annotated[
+        str,
+        typer.Option(
+            help="'off', or 'self-signed': serve the control service over TLS with a certificate kept next to "
+            "--key-file (created if missing); its fingerprint goes into the signed plan, and every peer pins it."
+        ),
+    ] = "off",
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="Serve the control service over TLS with this PEM certificate (pinned too).")
+    ] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="The PEM private key of --tls-cert.")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Wait for PEERS peers, split the model among them, train, and write the run's artefacts.
@@ -99,6 +111,12 @@ def serve(
     except StateError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    key_file = key_file or options.runs_dir / f"{swarm}.coordinator.pem"
+    try:
+        identity = _tls_identity(tls, tls_cert, tls_key, key_file, saved)
+    except (TlsError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     settings = RunSettings(
         swarm_token=token,
         name=name,
@@ -117,6 +135,7 @@ def serve(
         hf=options.hf_config(),
         metrics_port=metrics_port,
         metrics_host=metrics_host,
+        tls=identity,
     )
     if saved is not None:
         diffs = settings_diff(saved.settings, settings_record(settings))
@@ -133,7 +152,6 @@ def serve(
         )
     if join_file is not None:
         remove_join_file(join_file)  # a stale one names a DHT identity that no longer exists
-    key_file = key_file or options.runs_dir / f"{swarm}.coordinator.pem"
     try:
         membership = Membership(
             MembershipSettings(
@@ -156,6 +174,27 @@ def serve(
         membership.shutdown()
         if join_file is not None:
             remove_join_file(join_file)
+
+
+def tls_paths(key_file: Path) -> tuple[Path, Path]:
+    """Where ``--tls self-signed`` keeps the Control certificate and its key: next to the signing key."""
+    return key_file.with_suffix(".tls-cert.pem"), key_file.with_suffix(".tls-key.pem")
+
+
+def _tls_identity(
+    mode: str, cert: Path | None, key: Path | None, key_file: Path, saved: CoordinatorState | None
+) -> TlsIdentity | None:
+    """The Control service's TLS identity; a resumed run must present the certificate its plan pins."""
+    identity = identity_from_options(mode, cert, key, keep_in=tls_paths(key_file))
+    if saved is not None and saved.plan is not None:
+        pinned, now = saved.plan.get("coordinator_tls_fingerprint", ""), identity.fingerprint if identity else ""
+        if pinned != now:
+            raise TlsError(
+                f"run {saved.run_id!r} was started {f'with TLS certificate {pinned}' if pinned else 'in clear'} "
+                f"and its peers pin that, but this start {f'presents {now}' if now else 'has no TLS'}; "
+                "restart it with the same --tls options, or pass --fresh to start it over"
+            )
+    return identity
 
 
 def join_command(run: SwarmRun, membership: Membership) -> str:
@@ -189,6 +228,12 @@ async def _serve(
         f"coordinator of swarm {settings.swarm!r} on {settings.host}:{port} "
         f"(key {membership.fingerprint}); DHT at {' '.join(membership.maddrs())}"
     )
+    if settings.tls is not None:
+        run.progress.message(
+            f"control service over TLS, certificate {settings.tls.fingerprint} (peers pin it from the signed plan); "
+            f"ravn status --coordinator {settings.announce or settings.host}:{port} "
+            f"--tls-fingerprint {settings.tls.fingerprint}"
+        )
     run.progress.message(f"waiting for {settings.peers} peers; on each peer run:")
     run.progress.message(f"  {join_command(run, membership)}")
     if join_file is not None:

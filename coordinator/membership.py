@@ -118,6 +118,7 @@ def make_plan(
     *,
     reachable: dict[str, bool] | None = None,
     fingerprints: dict[str, str] | None = None,
+    coordinator_tls_fingerprint: str = "",
     swarm: str,
     run_id: str,
     version: int,
@@ -126,7 +127,8 @@ def make_plan(
     stages: list[tuple[int, int, list[tuple[str, str]]]],
 ) -> Plan:
     """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage; ``fingerprints``: the
-    TLS certificate each peer's record announced, which its neighbours pin (signed with the plan)."""
+    TLS certificate each peer's record announced, which its neighbours pin (signed with the plan);
+    ``coordinator_tls_fingerprint``: the Control service's certificate, which every peer pins ("" in clear)."""
     return Plan.model_validate(
         {
             "swarm": swarm,
@@ -134,6 +136,7 @@ def make_plan(
             "version": version,
             "model_name": model_name,
             "coordinator": coordinator,
+            "coordinator_tls_fingerprint": coordinator_tls_fingerprint,
             "protocol_version": PROTOCOL_VERSION,
             "issued_at": time.time(),
             "stages": [

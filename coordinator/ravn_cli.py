@@ -25,6 +25,7 @@ from swarm.logs import setup_logging
 from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.tls import dial_pinned_sync, normalise_fingerprint, speaks_tls
 from swarm.transport import GRPC_OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -114,11 +115,19 @@ def status(
     interval: Annotated[float, typer.Option(min=0.2, help="Seconds between redraws with --watch.")] = 2.0,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the coordinator.")] = 5.0,
     swarm_token: Annotated[str, typer.Option(help="The swarm's join token (or RAVN_SWARM_TOKEN).")] = "",
+    tls_fingerprint: Annotated[
+        str,
+        typer.Option(
+            help="The coordinator serves TLS with this certificate (printed by ravn-coordinator serve); "
+            "anything else is refused.",
+        ),
+    ] = "",
 ) -> None:
     """Show a swarm's health: verdict, run progress, every peer and block. Exit code 0/1/2: healthy/degraded/broken."""
     target = multiaddr_to_grpc_target(coordinator) if coordinator.startswith("/") else coordinator
     try:
-        snapshot = fetch_status(target, timeout, swarm_token)
+        pin = normalise_fingerprint(tls_fingerprint) if tls_fingerprint else ""
+        snapshot = fetch_status(target, timeout, swarm_token, pin)
         if json_output:
             typer.echo(json.dumps(status_json(snapshot), indent=2))
             raise typer.Exit(exit_code(verdict(snapshot)))
@@ -129,18 +138,25 @@ def status(
         with Live(renderable(snapshot), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(interval)
-                snapshot = fetch_status(target, timeout, swarm_token)
+                snapshot = fetch_status(target, timeout, swarm_token, pin)
                 live.update(renderable(snapshot))
-    except (grpc.RpcError, ValueError) as e:
+    except (grpc.RpcError, ValueError) as e:  # TlsError is a ValueError
         detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE and not pin and speaks_tls(target):
+            detail = "it serves TLS; pass --tls-fingerprint as printed by ravn-coordinator serve"
         typer.echo(f"error: cannot read the status of the coordinator at {target}: {detail}", err=True)
         raise typer.Exit(3) from None
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 
 
-def fetch_status(target: str, timeout: float, swarm_token: str = "") -> SwarmStatus:
-    with grpc.insecure_channel(target, options=GRPC_OPTIONS) as raw:
+def fetch_status(target: str, timeout: float, swarm_token: str = "", tls_fingerprint: str = "") -> SwarmStatus:
+    """One status snapshot; over TLS pinned to ``tls_fingerprint`` when given (TlsError if it does not match)."""
+    if tls_fingerprint:
+        raw = dial_pinned_sync(target, tls_fingerprint, options=GRPC_OPTIONS, timeout=timeout)
+    else:
+        raw = grpc.insecure_channel(target, options=GRPC_OPTIONS)
+    with raw:
         channel = sync_channel(raw, swarm_token, "operator", COORDINATOR_AUDIENCE) if swarm_token else raw
         reply = cgrpc.ControlStub(channel).Status(cpb.StatusRequest(), timeout=timeout)
     return SwarmStatus.from_dict(json.loads(reply.status_json))

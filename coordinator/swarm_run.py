@@ -36,7 +36,7 @@ from coordinator.status_view import (
     eta_seconds,
     peer_status_from_stats,
 )
-from swarm import auth, limits
+from swarm import auth, limits, tls
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
@@ -95,6 +95,7 @@ class RunSettings:
     swarm_token: str = ""  # every call must prove it (empty: no authentication, tests only)
     stages: int = 0  # pipeline stages (0: one per peer); spare peers become replicas
     replicate: int = -1  # the stage that gets the replicas (-1: the slowest predicted)
+    tls: tls.TlsIdentity | None = None  # Control speaks TLS with this certificate, pinned by the signed plan
 
 
 def settings_record(s: RunSettings) -> dict:
@@ -480,7 +481,7 @@ class SwarmRun:
             interceptors = [auth.ServerAuth(verifier), limits.ServerLimits(limits.LimitSettings(inflight_per_sender=8))]
         self._server = grpc.aio.server(options=GRPC_OPTIONS + limits.SERVER_OPTIONS, interceptors=interceptors)
         cgrpc.add_ControlServicer_to_server(ControlService(self), self._server)
-        self.port = self._server.add_insecure_port(f"{self.s.host}:{self.s.port}")
+        self.port = tls.add_port(self._server, f"{self.s.host}:{self.s.port}", self.s.tls)
         if self.port == 0:
             raise RunFailed(f"cannot listen on {self.s.host}:{self.s.port}; is the port in use?")
         await self._server.start()
@@ -489,6 +490,11 @@ class SwarmRun:
             self.progress.message(f"Prometheus metrics on http://{self.s.metrics_host}:{port}/metrics")
         self.control_endpoint = grpc_target_to_multiaddr(f"{self.s.announce or self.s.host}:{self.port}")
         return self.port
+
+    @property
+    def tls_fingerprint(self) -> str:
+        """The certificate the Control service presents ("" in clear): every plan carries it, the first too."""
+        return self.s.tls.fingerprint if self.s.tls is not None else ""
 
     def request_stop(self) -> None:
         """Ctrl-C: finish the current step, save what we have, release everyone."""
@@ -614,6 +620,7 @@ class SwarmRun:
         return make_plan(
             reachable=self.reachable,
             fingerprints=self.fingerprints,
+            coordinator_tls_fingerprint=self.tls_fingerprint,
             swarm=self.s.swarm,
             run_id=self.run_id,
             version=self.plan_version,

@@ -19,7 +19,7 @@ from swarm.auth import parse_token
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
-from swarm.tls import TlsError, TlsIdentity, generate_self_signed, load_identity
+from swarm.tls import TlsError, TlsIdentity, identity_from_options
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 DEFAULT_CONFIG = Path("~/.config/ravn/peer.toml").expanduser()
@@ -28,7 +28,6 @@ DEFAULT_CONFIG = Path("~/.config/ravn/peer.toml").expanduser()
 @app.callback()
 def _main() -> None:
     """Run a Ravn peer."""
-
 
 
 def _slow_stage(spec: str) -> tuple[int, float] | None:
@@ -205,18 +204,10 @@ def join(
 
 def _tls_identity(mode: str, cert: Path | None, key: Path | None) -> TlsIdentity | None:
     """The stage service's TLS identity from the flags: a given certificate, a fresh self-signed one, or none."""
-    if (cert is None) != (key is None):
-        raise typer.BadParameter("pass both --tls-cert and --tls-key", param_hint="--tls-cert")
-    if cert is not None:
-        try:
-            return load_identity(cert, key)
-        except TlsError as e:
-            raise typer.BadParameter(str(e), param_hint="--tls-cert") from None
-    if mode == "self-signed":
-        return generate_self_signed()
-    if mode != "off":
-        raise typer.BadParameter("use 'off' or 'self-signed'", param_hint="--tls")
-    return None
+    try:
+        return identity_from_options(mode, cert, key)
+    except TlsError as e:
+        raise typer.BadParameter(str(e), param_hint="--tls-cert" if cert or key else "--tls") from None
 
 
 async def _serve(daemon: PeerDaemon) -> int:
@@ -235,4 +226,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -19,6 +19,7 @@ import torch
 
 from peer.averaging import AverageGroup
 from peer.compute import BACKWARD, FORWARD, OTHER, ComputeWorker
+from peer.control_channel import ControlAddress, dial_control, failure_detail
 from peer.discovery import Discovery, DiscoveryError
 from peer.driver import Driver
 from peer.faults import wire_policy
@@ -151,6 +152,12 @@ class PeerDaemon:
         )
         return grpc.aio.insecure_channel(target, options=GRPC_OPTIONS, interceptors=interceptors, **kw)
 
+    async def control_channel(self, address: ControlAddress) -> grpc.aio.Channel:
+        """A channel to the coordinator, with proofs, pinned to the certificate the signed plan names (if any)."""
+        token = self.settings.swarm_token
+        interceptors = auth.client_interceptors(token, self.peer_id, auth.COORDINATOR_AUDIENCE) if token else None
+        return await dial_control(address, interceptors, self.settings.link_timeout)
+
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start_server(self) -> str:
         interceptors = []
@@ -193,7 +200,7 @@ class PeerDaemon:
                 record.bandwidth_down_bytes_per_s / 1e6,
             )
             self.plan = await self._unless_stopped(disc.wait_for_block(self.peer_id, self.settings.plan_timeout))
-            return await self._session(multiaddr_to_grpc_target(self.plan.coordinator))
+            return await self._session(ControlAddress.of(self.plan))
         except DiscoveryError as e:
             log.error("%s", e)
             return 2
@@ -223,11 +230,12 @@ class PeerDaemon:
         await probe.start()
         endpoint = grpc_target_to_multiaddr(f"{self.settings.announce or self.settings.host}:{port}")
         try:
-            async with self.channel(multiaddr_to_grpc_target(plan.coordinator)) as ch:
+            async with await self.control_channel(ControlAddress.of(plan)) as ch:
                 reply = await cgrpc.ControlStub(ch).DialBack(cpb.DialBackRequest(endpoint=endpoint), timeout=15)
             reachable, detail = reply.reachable, reply.detail
-        except grpc.aio.AioRpcError as e:
-            reachable, detail = True, f"could not check ({e.details()}); assuming reachable"
+        except (grpc.aio.AioRpcError, tls.TlsError) as e:
+            reachable, detail = True, f"could not check ({failure_detail(e)}); assuming reachable"
+            log.warning("reachability check: %s", detail)
         finally:
             await probe.stop(grace=None)
         self.settings = dataclasses.replace(self.settings, port=port)  # keep the port that was checked
@@ -239,7 +247,11 @@ class PeerDaemon:
     async def _measure(self, plan: Plan, reachable: bool = True) -> PeerRecord:
         cfg = MODEL_PRESETS.get(plan.model_name, MODEL_PRESETS["gpt-small"])
         throughput = await self.run_compute(layer_throughput, cfg, self.device)
-        up, down = await measure_bandwidth(self.channel(multiaddr_to_grpc_target(plan.coordinator)))
+        try:
+            up, down = await measure_bandwidth(await self.control_channel(ControlAddress.of(plan)))
+        except tls.TlsError as e:
+            log.warning("could not measure the link to the coordinator: %s", e)
+            up, down = 0.0, 0.0
         return PeerRecord(
             peer_id=self.peer_id,
             endpoint=self.endpoint,
@@ -256,7 +268,7 @@ class PeerDaemon:
             tls_fingerprint=self.settings.tls.fingerprint if self.settings.tls else "",
         )
 
-    async def _session(self, coordinator: str) -> int:
+    async def _session(self, coordinator: ControlAddress) -> int:
         """The control session with the coordinator: obey its commands in order, and outlive its restart.
 
         When the stream breaks, this peer keeps training and serving its block for ``coordinator_grace``
@@ -270,22 +282,22 @@ class PeerDaemon:
             try:
                 await self._obey(coordinator, resuming=ever_attached)
                 return 0
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, tls.TlsError) as e:
                 if self.stopping.is_set():
                     return 0
                 if not ever_attached and not self._attached:
-                    log.error("lost the coordinator at %s: %s", coordinator, e.details())
+                    log.error("lost the coordinator at %s: %s", coordinator, failure_detail(e))
                     return 2
                 if self._attached:  # a new outage starts now
                     self._attached, ever_attached, lost_at, delay = False, True, time.monotonic(), 0.5
                     log.warning(
                         "lost the coordinator at %s (%s); training on and redialling for up to %.0f s",
                         coordinator,
-                        e.details(),
+                        failure_detail(e),
                         grace,
                     )
                 else:
-                    log.info("coordinator not back yet (%s)", e.details())
+                    log.info("coordinator not back yet (%s)", failure_detail(e))
                 if time.monotonic() - lost_at >= grace:
                     log.error(
                         "lost the coordinator at %s and it did not come back within %.0f s (--coordinator-grace); "
@@ -302,12 +314,14 @@ class PeerDaemon:
                 await self.fail(str(e))
                 return 2
 
-    async def _obey(self, coordinator: str, *, resuming: bool) -> None:
+    async def _obey(self, coordinator: ControlAddress, *, resuming: bool) -> None:
         """One control stream: join (claiming our block when resuming), then run its commands until it ends."""
+        channel = await self.control_channel(coordinator)  # TLS: checks the pin before anything is sent
         if self._channel is not None:
             await self._channel.close()  # a fresh channel: no reconnect backoff left over from the outage
-        self._channel = self.channel(coordinator, auth.COORDINATOR_AUDIENCE)
-        self._control = cgrpc.ControlStub(self._channel)
+        self._channel, self._control = channel, cgrpc.ControlStub(channel)
+        if coordinator.pin:
+            log.info("joining the coordinator at %s over TLS, certificate pinned to %s", coordinator, coordinator.pin)
         join = cpb.JoinRequest(
             peer_id=self.peer_id,
             endpoint=self.endpoint,
@@ -380,8 +394,8 @@ class PeerDaemon:
             generation=self.generation,
         )
 
-    async def _coordinator_target(self, current: str) -> str:
-        """The control endpoint of the newest signed plan (a coordinator may come back elsewhere)."""
+    async def _coordinator_target(self, current: ControlAddress) -> ControlAddress:
+        """The control endpoint and pin of the newest signed plan (a coordinator may come back elsewhere)."""
         if self.discovery is None:
             return current
         try:
@@ -389,7 +403,7 @@ class PeerDaemon:
         except Exception as e:  # noqa: BLE001 - keep dialling the endpoint we know
             log.info("could not read the plan from the DHT: %s", e)
             return current
-        return multiaddr_to_grpc_target(plan.coordinator) if plan is not None else current
+        return ControlAddress.of(plan) if plan is not None else current
 
     async def _sleep_unless_stopped(self, seconds: float) -> None:
         try:

@@ -150,7 +150,8 @@ class Plan(_Strict):
     """The coordinator's plan: which peers serve which layers in run ``run_id``.
 
     ``version`` grows with every new plan of a run, so a peer can refuse to go back to an older one.
-    ``swarm`` is inside the signed body so a plan cannot be replayed into another swarm.
+    ``swarm`` is inside the signed body so a plan cannot be replayed into another swarm, and so is
+    ``coordinator_tls_fingerprint``: peers pin the coordinator's certificate from the coordinator's key.
     """
 
     swarm: Annotated[str, Field(pattern=SWARM_NAME_RE.pattern)]
@@ -161,6 +162,7 @@ class Plan(_Strict):
     issued_at: Timestamp
     coordinator: Multiaddress  # the coordinator's Control gRPC service, dialled by the peers
     protocol_version: Annotated[int, Field(ge=0, le=MAX_UINT32)]
+    coordinator_tls_fingerprint: TlsFingerprint = ""  # set: Control speaks TLS with exactly this certificate
 
     @field_validator("coordinator")
     @classmethod

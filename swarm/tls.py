@@ -21,6 +21,7 @@ import asyncio
 import datetime
 import hashlib
 import re
+import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,26 @@ def load_or_create_identity(cert_path: Path, key_path: Path) -> TlsIdentity:
     return identity
 
 
+def identity_from_options(
+    mode: str, cert: Path | None, key: Path | None, *, keep_in: tuple[Path, Path] | None = None
+) -> TlsIdentity | None:
+    """The server identity that ``--tls``/``--tls-cert``/``--tls-key`` ask for, shared by both daemons.
+
+    ``mode`` is ``off`` or ``self-signed``; a given certificate wins. ``keep_in`` (certificate, key paths)
+    makes a self-signed identity persistent, so a restarted server keeps the fingerprint its clients pin;
+    without it every process gets a fresh one. TlsError says what is wrong with the options.
+    """
+    if (cert is None) != (key is None):
+        raise TlsError("pass both --tls-cert and --tls-key")
+    if cert is not None:
+        return load_identity(cert, key)
+    if mode == "self-signed":
+        return load_or_create_identity(*keep_in) if keep_in is not None else generate_self_signed()
+    if mode != "off":
+        raise TlsError(f"--tls {mode[:40]!r}: use 'off' or 'self-signed'")
+    return None
+
+
 def server_credentials(identity: TlsIdentity) -> grpc.ServerCredentials:
     """Credentials for ``server.add_secure_port``; no client certificates are asked for."""
     return grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)])
@@ -199,10 +220,16 @@ def pinned_channel(
     interceptors: list | None = None,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel that trusts only ``cert_pem``, which must have the fingerprint ``expected``."""
+    credentials, opts = _pinned_credentials(cert_pem, expected, options)
+    return grpc.aio.secure_channel(target, credentials, options=opts, interceptors=interceptors)
+
+
+def _pinned_credentials(
+    cert_pem: bytes, expected: str, options: list[tuple[str, object]] | None
+) -> tuple[grpc.ChannelCredentials, list[tuple[str, object]]]:
     check_fingerprint(cert_pem, expected)
     credentials = grpc.ssl_channel_credentials(root_certificates=cert_pem)
-    opts = [*(options or []), ("grpc.ssl_target_name_override", server_name(cert_pem))]
-    return grpc.aio.secure_channel(target, credentials, options=opts, interceptors=interceptors)
+    return credentials, [*(options or []), ("grpc.ssl_target_name_override", server_name(cert_pem))]
 
 
 def _split_target(target: str) -> tuple[str, int]:
@@ -218,14 +245,10 @@ async def fetch_certificate(target: str, timeout: float = 10.0) -> bytes:
     Verification is off on purpose: what is checked is the fingerprint, by the caller.
     """
     host, port = _split_target(target)
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["h2"])
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         _reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=ctx, server_hostname=DEFAULT_SERVER_NAME), timeout
+            asyncio.open_connection(host, port, ssl=_unverified_context(), server_hostname=DEFAULT_SERVER_NAME),
+            timeout,
         )
     except (OSError, ssl.SSLError, TimeoutError) as e:
         raise TlsError(f"TLS handshake with {target} failed: {e}") from None
@@ -236,6 +259,48 @@ async def fetch_certificate(target: str, timeout: float = 10.0) -> bytes:
     if not der:
         raise TlsError(f"{target} presented no certificate")
     return ssl.DER_cert_to_PEM_cert(der).encode("ascii")
+
+
+def _unverified_context() -> ssl.SSLContext:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def fetch_certificate_sync(target: str, timeout: float = 10.0) -> bytes:
+    """:func:`fetch_certificate` for synchronous callers (``ravn status``), which have no event loop."""
+    host, port = _split_target(target)
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout) as raw,
+            _unverified_context().wrap_socket(raw, server_hostname=DEFAULT_SERVER_NAME) as conn,
+        ):
+            der = conn.getpeercert(binary_form=True)
+    except (OSError, ssl.SSLError) as e:
+        raise TlsError(f"TLS handshake with {target} failed: {e}") from None
+    if not der:
+        raise TlsError(f"{target} presented no certificate")
+    return ssl.DER_cert_to_PEM_cert(der).encode("ascii")
+
+
+def dial_pinned_sync(
+    target: str, expected: str, *, options: list[tuple[str, object]] | None = None, timeout: float = 10.0
+) -> grpc.Channel:
+    """:func:`dial_pinned` for the synchronous gRPC API: a channel that trusts only the pinned certificate."""
+    credentials, opts = _pinned_credentials(fetch_certificate_sync(target, timeout), expected, options)
+    return grpc.secure_channel(target, credentials, options=opts)
+
+
+def speaks_tls(target: str, timeout: float = 5.0) -> bool:
+    """Does the server at ``target`` complete a TLS handshake? Lets a cleartext client say why it failed."""
+    try:
+        fetch_certificate_sync(target, timeout)
+    except TlsError:
+        return False
+    return True
 
 
 async def dial_pinned(

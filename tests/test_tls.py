@@ -87,3 +87,38 @@ def test_wrong_pin_impostor_and_cleartext_are_refused() -> None:
             await tls.fetch_certificate(target, timeout=2)  # nobody listens there any more
 
     run(scenario())
+
+
+def test_options_make_an_identity_and_a_kept_self_signed_one_survives_a_restart(tmp_path) -> None:
+    assert tls.identity_from_options("off", None, None) is None
+    fresh = tls.identity_from_options("self-signed", None, None)
+    assert fresh is not None and fresh.fingerprint != tls.identity_from_options("self-signed", None, None).fingerprint
+    kept = (tmp_path / "c.tls-cert.pem", tmp_path / "c.tls-key.pem")
+    first = tls.identity_from_options("self-signed", None, None, keep_in=kept)
+    assert tls.identity_from_options("self-signed", None, None, keep_in=kept) == first  # a restart keeps the pin
+    assert kept[1].stat().st_mode & 0o077 == 0
+    assert tls.identity_from_options("off", *kept).fingerprint == first.fingerprint  # given files win
+    with pytest.raises(tls.TlsError, match="both --tls-cert and --tls-key"):
+        tls.identity_from_options("off", kept[0], None)
+    with pytest.raises(tls.TlsError, match="'off' or 'self-signed'"):
+        tls.identity_from_options("on", None, None)
+
+
+def test_the_synchronous_dialer_pins_too() -> None:
+    def sync_client(target: str) -> None:  # `ravn status` has no event loop: it dials from a plain thread
+        assert tls.fingerprint(tls.fetch_certificate_sync(target)) == ID_A.fingerprint
+        assert tls.speaks_tls(target)
+        with pytest.raises(tls.TlsError, match="was expected"):
+            tls.dial_pinned_sync(target, ID_B.fingerprint)
+        with tls.dial_pinned_sync(target, ID_A.fingerprint) as channel:
+            assert cgrpc.ControlStub(channel).Probe(cpb.ProbeRequest(payload=b"ab"), timeout=10).payload == b"ba"
+
+    async def scenario() -> None:
+        add_port = functools.partial(tls.add_port, identity=ID_A)
+        async with serve(add_port=lambda s, a: add_port(s, a)) as (target, _, control):
+            await asyncio.to_thread(sync_client, target)
+            assert control.calls == 1
+        async with serve() as (target, _, _):
+            assert not await asyncio.to_thread(tls.speaks_tls, target, 5)  # a cleartext server
+
+    run(scenario())
