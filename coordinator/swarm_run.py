@@ -522,43 +522,57 @@ class SwarmRun:
         """Contiguous blocks sized by each peer's measured throughput, memory and link (one peer per block),
         with peers behind NAT kept apart so that every boundary has a side that accepts connections."""
         self.reachable = {r.peer_id: r.reachable is not False for r in records}
-        chain, spare = self._chain_and_spare(records)
+        blocks, groups, throughput = self._layout(records)
+        endpoints = {r.peer_id: r.endpoint for r in records}
+        self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
+        stages = [(a, b, [(p, endpoints[p]) for p in group]) for (a, b), group in zip(blocks, groups, strict=True)]
+        self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
+        self.predicted_throughput = throughput
+        replicated = [
+            f"stage {i} layers [{a},{b}) x{len(g)}"
+            for i, ((a, b), g) in enumerate(zip(blocks, groups, strict=True))
+            if len(g) > 1
+        ]
+        if replicated:
+            self.progress.message("replicas: " + ", ".join(replicated))
+        behind_nat = [g[0] for g in groups if not self.reachable[g[0]]]
+        if behind_nat:
+            self.progress.message(f"behind NAT (they dial their neighbours): {', '.join(behind_nat)}")
+        return self._publishable(stages)
+
+    def _layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
+        """Blocks, their holders in pipeline order and the predicted micro-batches/s (no side effects)."""
+        reachable = {r.peer_id: r.reachable is not False for r in records}
+        chain, spare = self._chain_and_spare(records, reachable)
         spec = model_spec(self.s.model, self.s.train, self.s.hf)
         try:
             partition = plan_every_peer(peer_specs(chain), spec)
         except InfeasiblePlanError as e:
             raise RunFailed(f"no plan fits these peers: {e}") from None
-        endpoints = {r.peer_id: r.endpoint for r in records}
-        self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
         blocks = [(st.layer_start, st.layer_end) for st in partition.stages]
         try:
-            order = arrange([st.peer_ids[0] for st in partition.stages], self.reachable)
+            order = arrange([st.peer_ids[0] for st in partition.stages], reachable)
         except Unarrangeable as e:
             raise RunFailed(f"blocked on reachability: {e}") from None
         groups = [[p] for p in order]
         throughput = self._place_replicas(records, blocks, groups, spare, spec) if spare else partition.throughput
-        stages = [(a, b, [(p, endpoints[p]) for p in group]) for (a, b), group in zip(blocks, groups, strict=True)]
-        self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
-        self.predicted_throughput = throughput
-        if partition.unused_peer_ids:
-            self.progress.message(f"standby (not needed by the plan): {', '.join(partition.unused_peer_ids)}")
-        behind_nat = [p for p in order if not self.reachable[p]]
-        if behind_nat:
-            self.progress.message(f"behind NAT (they dial their neighbours): {', '.join(behind_nat)}")
-        return self._publishable(stages)
+        return blocks, groups, throughput
 
-    def _chain_and_spare(self, records: list[PeerRecord]) -> tuple[list[PeerRecord], list[PeerRecord]]:
-        """With ``--stages N`` and more peers: the N that hold the chain, and the spares that become replicas.
+    def _chain_and_spare(
+        self, records: list[PeerRecord], reachable: dict[str, bool]
+    ) -> tuple[list[PeerRecord], list[PeerRecord]]:
+        """With ``--stages N`` (or more peers than layers): the N that hold the chain, and the spares that
+        become replicas.
 
         Peers behind NAT always hold a chain block (replicas must accept connections from both sides);
         then the fastest reachable peers; the slowest reachable ones are the spares.
         """
-        n = self.s.stages or len(records)
+        n = min(self.s.stages or len(records), self.s.model.n_layers)
         if n >= len(records):
             return records, []
         if n < 1 or (n == 1 and len(records) > 1):
             raise RunFailed("with replicas the pipeline needs at least 2 stages (the first stage is never replicated)")
-        by_speed = sorted(records, key=lambda r: (self.reachable[r.peer_id], -r.throughput_layers_per_s, r.peer_id))
+        by_speed = sorted(records, key=lambda r: (reachable[r.peer_id], -r.throughput_layers_per_s, r.peer_id))
         chain = by_speed[:n]
         return sorted(chain, key=lambda r: r.peer_id), by_speed[n:]
 
@@ -578,14 +592,6 @@ class SwarmRun:
         for r in sorted(spare, key=lambda r: -r.throughput_layers_per_s):
             target = self.s.replicate if self.s.replicate > 0 else max(range(1, len(blocks)), key=stage_time)
             groups[target].append(r.peer_id)
-        self.progress.message(
-            "replicas: "
-            + ", ".join(
-                f"stage {i} layers [{a},{b}) x{len(g)}"
-                for i, ((a, b), g) in enumerate(zip(blocks, groups, strict=True))
-                if len(g) > 1
-            )
-        )
         return 1.0 / max(stage_time(i) for i in range(len(blocks)))
 
     def _replicated(self, peer_id: str) -> bool:
@@ -688,11 +694,10 @@ class SwarmRun:
         if not fresh or not self._started or self._recovering or not self.s.train.checkpoint_every:
             return
         current = [records[p] for p in self.planned if p in records]
-        spec = model_spec(self.s.model, self.s.train, self.s.hf)
         try:
-            before = plan_every_peer(peer_specs(current), spec).throughput
-            after = plan_every_peer(peer_specs(current + fresh), spec).throughput
-        except InfeasiblePlanError:
+            before = self._layout(current)[2]
+            after = self._layout(current + fresh)[2]
+        except RunFailed:
             return
         names = ", ".join(r.peer_id for r in fresh)
         self._considered.update(r.peer_id for r in fresh)
