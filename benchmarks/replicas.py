@@ -11,6 +11,7 @@ bytes per trained token next to activation/gradient bytes per token, and the val
 tokens.
 
     python -m benchmarks.replicas                 # both parts (about 6 min on 2 cores)
+    python -m benchmarks.replicas --seeds 0 1 2   # part 1 repeated with three data/init seeds
     python -m benchmarks.replicas --steps 30 --every 1 10
 """
 
@@ -25,13 +26,14 @@ import time
 from pathlib import Path
 
 
-def run(name: str, peers: int, args: argparse.Namespace, runs_dir: Path, *extra: str) -> dict:
+def run(name: str, peers: int, args: argparse.Namespace, runs_dir: Path, *extra: str, seed: int = 0) -> dict:
     cmd = [
         sys.executable, "-m", "coordinator.ravn_cli", "local",
         "--peers", str(peers), "--stages", "3", "--steps", str(args.steps),
         "--micro-batches", str(args.micro_batches), "--micro-batch-size", "4",
         "--eval-every", str(args.steps), "--eval-batches", "8", "--checkpoint-every", "0",
-        "--debug-slow-stage", f"1={args.slow}", "--runs-dir", str(runs_dir), "--name", name, *extra,
+        "--debug-slow-stage", f"1={args.slow}", "--runs-dir", str(runs_dir), "--name", name,
+        "--seed", str(seed), *extra,
     ]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -46,6 +48,7 @@ def run(name: str, peers: int, args: argparse.Namespace, runs_dir: Path, *extra:
     replicas = [st for st in summary["stages"] if st["stage"] == 1]
     return {
         "name": name,
+        "seed": seed,
         "peers": peers,
         "wall_s": time.monotonic() - t0,
         "tokens_per_s": tokens_per_step / step_s,
@@ -64,28 +67,42 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--slow", type=float, default=0.03, help="seconds per pass added to stage 1's holders")
     parser.add_argument("--every", type=int, nargs="*", default=[1, 10, 100], help="T values for part 2")
+    parser.add_argument("--speed-only", action="store_true", help="part 1 only")
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0], help="seeds for part 1 (model init and data)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/replicas"))
     args = parser.parse_args()
     runs = args.out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
 
-    rows = [run("solo", 3, args, runs), run("replicated", 4, args, runs, "--replicate", "1", "--average-every", "10")]
-    for t in args.every:
-        rows.append(run(f"avg-T{t}", 4, args, runs, "--replicate", "1", "--average-every", str(t)))
+    pairs = []
+    for seed in args.seeds:
+        solo = run(f"solo-s{seed}", 3, args, runs, seed=seed)
+        rep = run(f"replicated-s{seed}", 4, args, runs, "--replicate", "1", "--average-every", "10", seed=seed)
+        pairs.append((solo, rep))
+    part2, nesterov = [], None
+    if not args.speed_only:
+        part2 = [run(f"avg-T{t}", 4, args, runs, "--replicate", "1", "--average-every", str(t)) for t in args.every]
+        nesterov = run("avg-T10-nesterov", 4, args, runs, "--replicate", "1", "--average-every", "10",
+                       "--outer-lr", "0.7", "--outer-momentum", "0.9")  # fmt: skip
+    rows = [r for pair in pairs for r in pair] + part2 + ([nesterov] if nesterov else [])
     (args.out / "results.json").write_text(json.dumps(rows, indent=2))
 
-    solo = rows[0]
-    print(f"\nPart 1: middle stage slowed by {args.slow * 1000:.0f} ms per pass, {args.steps} steps")
-    print(f"{'swarm':<12}{'peers':>6}{'tok/s':>10}{'speed-up':>10}{'val loss':>10}{'shares':>12}")
-    for r in rows[:2]:
-        gain = r["tokens_per_s"] / solo["tokens_per_s"]
+    print(f"\nPart 1: middle stage slowed by {args.slow * 1000:.0f} ms per pass, {args.steps} steps, T = 10")
+    print(
+        f"{'seed':>5}{'solo tok/s':>12}{'2 holders':>11}{'speed-up':>10}{'solo val':>10}{'repl val':>10}{'Δ loss':>8}"
+    )
+    for solo, rep in pairs:
+        gain = rep["tokens_per_s"] / solo["tokens_per_s"]
+        delta = rep["val_loss"] / solo["val_loss"] - 1
         print(
-            f"{r['name']:<12}{r['peers']:>6}{r['tokens_per_s']:>10,.0f}{gain:>9.2f}x"
-            f"{r['val_loss']:>10.4f}{'/'.join(map(str, r['shares'])):>12}"
+            f"{solo['seed']:>5}{solo['tokens_per_s']:>12,.0f}{rep['tokens_per_s']:>11,.0f}{gain:>9.2f}x"
+            f"{solo['val_loss']:>10.4f}{rep['val_loss']:>10.4f}{delta:>+8.1%}"
         )
-    print("\nPart 2: averaging every T local steps (int8 changes)")
+    if args.speed_only:
+        return
+    print("\nPart 2: averaging every T local steps (int8 changes), seed 0")
     print(f"{'T':>5}{'avg B/token':>13}{'wire B/token':>14}{'ratio':>8}{'val loss':>10}{'replica diff':>14}")
-    for t, r in zip(args.every, rows[2:], strict=True):
+    for t, r in [*zip(args.every, part2, strict=True), ("10 N", nesterov)]:
         ratio = r["average_bytes_per_token"] / r["wire_bytes_per_token"]
         print(
             f"{t:>5}{r['average_bytes_per_token']:>13,.0f}{r['wire_bytes_per_token']:>14,.0f}{ratio:>8.2f}"
@@ -98,12 +115,16 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-        a.bar([r["name"] for r in rows[:2]], [r["tokens_per_s"] for r in rows[:2]], color=["grey", "tab:blue"])
+        a.bar(
+            ["solo", "2 holders"],
+            [pairs[0][0]["tokens_per_s"], pairs[0][1]["tokens_per_s"]],
+            color=["grey", "tab:blue"],
+        )
         a.set_ylabel("tokens/s")
         a.set_title("bottleneck block: 1 vs 2 holders")
         ts = [str(t) for t in args.every]
-        b.bar(ts, [r["average_bytes_per_token"] for r in rows[2:]], label="averaging")
-        b.plot(ts, [r["wire_bytes_per_token"] for r in rows[2:]], "k--", label="activations + gradients")
+        b.bar(ts, [r["average_bytes_per_token"] for r in part2], label="averaging")
+        b.plot(ts, [r["wire_bytes_per_token"] for r in part2], "k--", label="activations + gradients")
         b.set_yscale("log")
         b.set_xlabel("T (local steps between averages)")
         b.set_ylabel("bytes per trained token")
