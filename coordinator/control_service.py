@@ -82,7 +82,7 @@ class ControlService(cgrpc.ControlServicer):
                     return
                 yield command
         except asyncio.CancelledError:
-            self.run.lost(session.peer_id, "its control stream was cancelled")
+            self.run.lost(session.peer_id, "its control stream was cancelled", session)
             raise
 
     async def Report(self, request: cpb.StatusReport, context: grpc.aio.ServicerContext) -> cpb.ReportReply:  # noqa: N802

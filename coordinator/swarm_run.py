@@ -215,6 +215,8 @@ class SwarmRun:
         self.plan_version = self.plan.version if self.plan is not None else 0
         self.planned = {p: (a, b, e) for p, (a, b, e) in state.planned.items()}
         self.reachable = dict(state.reachable)
+        if self.plan is not None:  # pins survive a restart: later plans (a replica lost) must keep them
+            self.fingerprints = {p.peer_id: p.tls_fingerprint for st in self.plan.stages for p in st.peers}
         self._restore_version = state.restore_version
         self._last_step = state.last_step
         for event in read_events(self.s.run_dir):
@@ -235,6 +237,13 @@ class SwarmRun:
     def register(self, req: cpb.JoinRequest, claim: ResumeClaim | None = None) -> PeerSession:
         if req.peer_id in self.excluded:
             raise PermissionError(f"peer {req.peer_id!r} is excluded from this run: {self.excluded[req.peer_id]}")
+        if req.peer_id in self.sessions and claim is not None:
+            # the same peer (its name is proven by the swarm token) re-attaching after its control stream
+            # broke: the new stream replaces the old one, which may not have noticed yet
+            old = self.sessions.pop(req.peer_id)
+            old.commands.put_nowait(None)
+            self._lost.discard(req.peer_id)
+            log.info("peer %s re-attached on a new control stream", req.peer_id)
         if req.peer_id in self.sessions:
             raise ValueError(f"a peer named {req.peer_id!r} already joined; pick another --name")
         if req.peer_id not in self.planned:
@@ -279,8 +288,10 @@ class SwarmRun:
     def known(self, peer_id: str) -> bool:
         return peer_id in self.sessions
 
-    def lost(self, peer_id: str, why: str) -> None:
+    def lost(self, peer_id: str, why: str, session: PeerSession | None = None) -> None:
         """A control stream broke: the peer process is gone (its DHT record will expire too)."""
+        if session is not None and self.sessions.get(peer_id) is not session:
+            return  # a stream this peer already replaced by re-attaching
         if not self._states_in.is_set():
             log.warning("peer %s: %s", peer_id, why)
             if self._started and not self._recovering and self._replicated(peer_id):

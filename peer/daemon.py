@@ -617,8 +617,21 @@ class PeerDaemon:
             for frame in split_packet(chunk, 1):
                 yield frame
 
-        reply = await self._control.UploadState(frames())
+        reply = await self._patiently(lambda: self._control.UploadState(frames()))
         log.info("uploaded %d tensors of stage %d", reply.tensors, self.assignment.stage)
+
+    async def _patiently(self, call, attempts: int = 6):
+        """A unary call to the coordinator that its per-sender rate limit may refuse for a moment: retry
+        RESOURCE_EXHAUSTED with backoff, so a busy moment is not mistaken for a lost coordinator."""
+        delay = 0.2
+        for attempt in range(attempts):
+            try:
+                return await call()
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == attempts - 1:
+                    raise
+            await asyncio.sleep(delay)
+            delay *= 2
 
     # ---- links ----------------------------------------------------------------------------------
     def hello(self) -> pb.Packet:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from peer.daemon import PeerDaemon
 
 log = logging.getLogger(__name__)
+MIN_REPORT_GAP = 0.25  # seconds between step reports; steps that finish meanwhile ride in the next one
 
 
 class Driver:
@@ -146,6 +147,7 @@ class Driver:
             await self.d.report(steps=steps, evals=evals, finished=finished)
             if finished:
                 return
+            await asyncio.sleep(MIN_REPORT_GAP)  # fast steps: one report carries many (the coordinator rate-limits)
 
     async def _forward(self, mb: pb.MicroBatch, x, y) -> None:
         d = self.d
