@@ -9,6 +9,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import read_metrics
 from tests.swarm_procs import assert_all_gone, coordinator, join_args, peer
 
@@ -78,6 +80,7 @@ def test_sigkill_of_the_coordinator_then_restart_trains_on_with_the_same_plan(tm
     assert re.search(r"checkpoint: .*model\.safetensors", second.output)
 
 
+@pytest.mark.slow  # the default suite's TLS/restart test covers the same path; this one adds a variant
 def test_a_peer_leaves_when_the_coordinator_does_not_come_back_within_its_grace(tmp_path: Path) -> None:
     coord = coordinator(tmp_path, "--peers", "1", "--model", "gpt-tiny", "--heartbeat", "1", "--steps", "100000")
     procs = [coord]

@@ -18,7 +18,7 @@ from tests.swarm_procs import Proc, assert_all_gone
 POISON_AFTER = 12  # the poisoned peer's block has taken this many optimizer steps
 
 
-@pytest.mark.parametrize("mode", ["scale", "nan"])
+@pytest.mark.parametrize("mode", ["scale", pytest.param("nan", marks=pytest.mark.slow)])  # nan: also unit-tested
 def test_a_poisoning_peer_is_excluded_and_the_loss_keeps_falling(tmp_path: Path, mode: str) -> None:
     name = f"poison-{mode}"
     proc = Proc(

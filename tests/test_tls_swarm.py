@@ -37,6 +37,7 @@ async def refusals(target: str, presented: str) -> None:
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.slow  # the default suite's TLS/restart test covers the same path; this one adds a variant
 def test_a_tls_swarm_trains_with_pinned_links_and_refuses_a_wrong_pin(tmp_path: Path) -> None:
     coord = coordinator(
         tmp_path,
