@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import read_metrics, run_ravn_local
 
 K = 2
@@ -48,6 +50,7 @@ def test_staleness_never_exceeds_the_bound(tmp_path: Path) -> None:
     assert len(losses) == 24 and min(losses[-4:]) < losses[0] - 1.0
 
 
+@pytest.mark.slow  # the staleness-bound test above runs the same admission path by default
 def test_a_slow_peer_throttles_admissions(tmp_path: Path) -> None:
     run_ravn_local(
         tmp_path,

@@ -127,6 +127,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, text: str) -> None:
     assert text in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # each case starts a peer CLI and its DHT node (about 30 s in all)
 def test_join_mistakes_get_one_line_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     coord = coordinator(tmp_path, "--peers", "1", "--swarm", "right", "--model", "gpt-tiny", "--name", "errs")
     try:
