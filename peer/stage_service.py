@@ -8,6 +8,7 @@ about PERMISSION_DENIED. The server keeps serving whatever one stream did.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,17 @@ class StageService(wgrpc.StageServicer):
         d.attach(side, hello.peer_id, link)
         for frame in split_packet(d.hello(), 0):
             await context.write(frame)
+        # a downstream neighbour behind NAT: we wait for its gradients, so losing it is ours to report;
+        # an upstream one: a lone upstream's loss is reported by whoever sees its process die
+        closed = functools.partial(
+            d.link_closed,
+            generation,
+            side,
+            hello.peer_id,
+            link,
+            f"{side} peer {hello.peer_id} closed its link",
+            report=from_downstream,
+        )
         try:
             await link.run(context, d.on_packet)
         except (WireError, StageInputError) as e:
@@ -97,16 +109,10 @@ class StageService(wgrpc.StageServicer):
             log.warning("%s", e)
         except Exception:  # a bug, not bad input: say so loudly; the link ends and recovery takes over
             log.exception("link from %s failed", hello.peer_id)
-        # a downstream neighbour behind NAT: we wait for its gradients, so losing it is ours to report;
-        # an upstream one: a lone upstream's loss is reported by whoever sees its process die
-        await d.link_closed(
-            generation,
-            side,
-            hello.peer_id,
-            link,
-            f"{side} peer {hello.peer_id} closed its link",
-            report=from_downstream,
-        )
+        finally:
+            # also when gRPC cancels this handler (the neighbour died): the bookkeeping of a vanished replica
+            # (its share of open steps) must finish, or this stage waits for a step that never completes
+            await asyncio.shield(closed())
 
     async def Average(self, request, context: grpc.aio.ServicerContext):  # noqa: N802 - gRPC name
         """A replica of our block sends its parameter change; answer with the round's agreed average."""

@@ -292,7 +292,13 @@ class StageRunner:
     def _step_by_quota(self) -> bool:
         stepped = False
         while self._quotas and self._backwards >= self._quotas[0]:
-            self._backwards -= self._quotas.popleft()
+            share = self._quotas.popleft()
+            self._backwards -= share
+            k = self.train_cfg.micro_batches
+            if 0 < share != k:  # the mean over this replica's share, like data parallelism's local batch:
+                for p in self.trainable:  # the gradient keeps its scale when the share changes (a replica
+                    if p.grad is not None:  # joins or dies), so Adam's moments and clipping stay calibrated
+                        p.grad.mul_(k / share)
             self.step()
             stepped = True
         return stepped

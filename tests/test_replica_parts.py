@@ -225,3 +225,22 @@ def test_a_member_whose_leader_is_gone_applies_nothing() -> None:
         assert await member.contribute(1, {"w": torch.ones(4)}) is None
 
     asyncio.run(scenario())
+
+
+def test_a_replica_steps_on_the_mean_over_its_share() -> None:
+    """Gradients arrive scaled by 1/K (the step's K micro-batches); a replica that saw only n of them steps
+    on K/n times their sum, so its gradient scale does not jump when its share changes."""
+
+    def captured(runner: StageRunner) -> list[torch.Tensor]:
+        grads: list[torch.Tensor] = []
+        runner.step = lambda: grads.extend(p.grad.clone() for p in runner.trainable)  # type: ignore[method-assign]
+        return grads
+
+    replica = _runner()  # K = 2
+    replica.use_quotas()
+    alone = StageRunner(CFG, TrainConfig(micro_batches=1, micro_batch_size=2, lr=1e-2, warmup_steps=0), 1, 2)
+    got, ref = captured(replica), captured(alone)
+    replica.expect(1)
+    _fwd_bwd(replica, 1, 7)
+    _fwd_bwd(alone, 1, 7)
+    assert got and all(torch.allclose(g, 2 * r) for g, r in zip(got, ref, strict=True))
