@@ -115,11 +115,12 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-        a.bar(
-            ["solo", "2 holders"],
-            [pairs[0][0]["tokens_per_s"], pairs[0][1]["tokens_per_s"]],
-            color=["grey", "tab:blue"],
-        )
+        if pairs:
+            a.bar(
+                ["solo", "2 holders"],
+                [pairs[0][0]["tokens_per_s"], pairs[0][1]["tokens_per_s"]],
+                color=["grey", "tab:blue"],
+            )
         a.set_ylabel("tokens/s")
         a.set_title("bottleneck block: 1 vs 2 holders")
         ts = [str(t) for t in args.every]
