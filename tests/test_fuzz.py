@@ -578,8 +578,11 @@ def test_the_first_packet_of_a_link_is_bounded_before_the_hello() -> None:
         ]
         async with raw_channel(target) as channel:
             call = wgrpc.StageStub(channel).Link()
-            for f in flood:
-                await call.write(f)
+            try:
+                for f in flood:
+                    await call.write(f)
+            except Exception:  # noqa: BLE001 - grpc raises AioRpcError or its cython ExecuteBatchError here
+                pass  # error when the peer already ended the call while we still write: that is the refusal
             # no half-close: a refusing peer ends the call now, a buffering one waits for 496 MiB more
             code = await asyncio.wait_for(call.code(), 3.0)
         assert code != grpc.StatusCode.OK
