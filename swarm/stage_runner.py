@@ -258,10 +258,15 @@ class StageRunner:
 
     def _after_backward(self, staleness: int) -> bool:
         self.metrics.staleness[staleness] = self.metrics.staleness.get(staleness, 0) + 1
+        return self._micro_batch_done()
+
+    def _micro_batch_done(self) -> bool:
+        """One more micro-batch of a step is through this stage (applied or not); step when the step is."""
         self._backwards += 1
         if self._quotas is not None:
             return self._step_by_quota()
         if self._backwards >= self.train_cfg.micro_batches:
+            self._backwards -= self.train_cfg.micro_batches
             self.step()
             return True
         return False
@@ -281,13 +286,7 @@ class StageRunner:
 
     def count_lost(self) -> bool:
         """A micro-batch of this step will apply no gradient here (dropped, or its holder vanished)."""
-        self._backwards += 1
-        if self._quotas is not None:
-            return self._step_by_quota()
-        if self._backwards >= self.train_cfg.micro_batches:
-            self.step()
-            return True
-        return False
+        return self._micro_batch_done()
 
     def _step_by_quota(self) -> bool:
         stepped = False
@@ -378,7 +377,6 @@ class StageRunner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        self._backwards = 0
         every = self.train_cfg.checkpoint_every
         if every and self.version % every == 0:  # taken here, so no later step can slip in before it
             self.pending_checkpoint = (self.version, *self.checkpoint_state())

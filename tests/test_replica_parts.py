@@ -116,6 +116,16 @@ def test_a_replica_steps_after_its_share_including_an_empty_one() -> None:
     assert runner.count_lost() and runner.version == 3  # its second micro-batch vanished with a replica
 
 
+def test_micro_batches_beyond_a_share_count_for_the_next_step() -> None:
+    """Async: the next step's gradients may arrive before this step's share is known; none is forgotten."""
+    runner = _runner()
+    runner.use_quotas()
+    for mb in (1, 2, 3):
+        _fwd_bwd(runner, mb, mb)
+    assert runner.expect(2) and runner.version == 1  # two of the three close this step...
+    assert runner.expect(1) and runner.version == 2  # ...the third already completes the next one
+
+
 def test_averaging_moves_replicas_to_the_same_parameters_and_keeps_local_progress() -> None:
     a, b = _runner(), _runner()
     for r in (a, b):
