@@ -90,7 +90,6 @@ async def run_local(
     device: str,
     heartbeat: float,
     slow_peer: str = "",
-    slow_layers: str = "",
     slow_stage: str = "",
     poison_peer: str = "",
 ) -> int:
@@ -126,7 +125,6 @@ async def run_local(
     try:
         for i in range(settings.peers):
             extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
-            extra += ["--debug-slow-layers", slow_layers] if slow_layers else []
             extra += ["--debug-slow-stage", slow_stage] if slow_stage else []
             if poison_peer.startswith(f"{i}:"):  # INDEX:MODE:STEPS
                 _, mode, after = poison_peer.split(":")

@@ -51,9 +51,6 @@ def local(
     debug_slow_stage: Annotated[
         str, typer.Option(hidden=True, help="Testing: STAGE=SECONDS makes whoever holds that stage slower.")
     ] = "",
-    debug_slow_layers: Annotated[
-        str, typer.Option(hidden=True, help="Testing: A:B=SECONDS makes layers [A,B) slower on whoever holds them.")
-    ] = "",
     debug_poison_peer: Annotated[
         str, typer.Option(hidden=True, help="Testing: INDEX:MODE:STEPS poisons one peer (ravn-peer --debug-poison).")
     ] = "",
@@ -95,7 +92,6 @@ def local(
                 device=device,
                 heartbeat=heartbeat,
                 slow_peer=debug_slow_peer,
-                slow_layers=debug_slow_layers,
                 slow_stage=debug_slow_stage,
                 poison_peer=debug_poison_peer,
             )

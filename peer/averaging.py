@@ -45,6 +45,7 @@ class AverageRefused(Exception):
 
 @dataclass
 class _Round:
+    number: int
     deadline: float
     deltas: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -182,7 +183,7 @@ class AverageGroup:
             self.absent.discard(sender)
         rnd = self._rounds.get(request.round)
         if rnd is None:
-            rnd = self._rounds[request.round] = _Round(deadline=time.monotonic() + self.timeout)
+            rnd = self._rounds[request.round] = _Round(request.round, deadline=time.monotonic() + self.timeout)
         rnd.deltas[sender] = deltas
         self._maybe_close(rnd)
         if not rnd.done.is_set():
@@ -191,7 +192,7 @@ class AverageGroup:
             except TimeoutError:
                 pass
         if not rnd.done.is_set():
-            await self._close(request.round, rnd)
+            await self._close(rnd)
         reply = rnd.result
         if sender != self.me:
             self.bytes += reply.ByteSize()
@@ -200,12 +201,9 @@ class AverageGroup:
     def _maybe_close(self, rnd: _Round) -> None:
         expected = set(self.members) - self.absent
         if not rnd.done.is_set() and expected <= set(rnd.deltas):
-            for number, r in self._rounds.items():
-                if r is rnd:
-                    asyncio.ensure_future(self._close(number, rnd))
-                    return
+            asyncio.ensure_future(self._close(rnd))
 
-    async def _close(self, number: int, rnd: _Round) -> None:
+    async def _close(self, rnd: _Round) -> None:
         if rnd.closing:
             await rnd.done.wait()
             return
@@ -215,7 +213,7 @@ class AverageGroup:
         if missing:
             log.warning(
                 "average round %d closed without %s (timeout); not waiting for them again",
-                number,
+                rnd.number,
                 ", ".join(sorted(missing)),
             )
         self.absent |= missing
@@ -224,9 +222,11 @@ class AverageGroup:
             mean = {name: torch.stack([d[name] for d in rnd.deltas.values()]).mean(0) for name in self.shapes}
             return encode_deltas(mean, self.codec)
 
-        rnd.result = pb.AverageReply(round=number, deltas=await asyncio.to_thread(average), contributors=contributors)
+        rnd.result = pb.AverageReply(
+            round=rnd.number, deltas=await asyncio.to_thread(average), contributors=contributors
+        )
         rnd.done.set()
-        self._results[number] = rnd.result
+        self._results[rnd.number] = rnd.result
         while len(self._results) > KEEP_RESULTS:
             self._results.popitem(last=False)
-        self._rounds.pop(number, None)
+        self._rounds.pop(rnd.number, None)

@@ -40,17 +40,6 @@ def _slow_stage(spec: str) -> tuple[int, float] | None:
         raise typer.BadParameter("expected STAGE=SECONDS", param_hint="--debug-slow-stage") from None
 
 
-def _slow_layers(spec: str) -> tuple[int, int, float] | None:
-    if not spec:
-        return None
-    try:
-        span, seconds = spec.split("=")
-        a, b = span.split(":")
-        return int(a), int(b), float(seconds)
-    except ValueError:
-        raise typer.BadParameter("expected A:B=SECONDS", param_hint="--debug-slow-layers") from None
-
-
 @app.command()
 def join(
     swarm: Annotated[str, typer.Option(envvar="RAVN_SWARM", help="Name of the swarm to join.")] = "",
@@ -104,9 +93,6 @@ def join(
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
     debug_slow_stage: Annotated[
         str, typer.Option(hidden=True, help="Testing: STAGE=SECONDS adds SECONDS per pass to that stage's holders.")
-    ] = "",
-    debug_slow_layers: Annotated[
-        str, typer.Option(hidden=True, help="Testing: A:B=SECONDS adds SECONDS per layer of [A,B) held, per pass.")
     ] = "",
     debug_poison: Annotated[
         str, typer.Option(hidden=True, help="Testing: 'scale' (x1e6) or 'nan' corrupts every training tensor sent.")
@@ -190,7 +176,6 @@ def join(
         step_timeout=step_timeout,
         coordinator_grace=coordinator_grace,
         slowdown=debug_slowdown,
-        slow_layers=_slow_layers(debug_slow_layers),
         slow_stage=_slow_stage(debug_slow_stage),
         poison=debug_poison,
         poison_after=debug_poison_after,

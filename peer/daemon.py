@@ -70,7 +70,6 @@ class PeerSettings:
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     coordinator_grace: float = 60.0  # how long to train on and redial when the coordinator is gone (0: exit at once)
     slowdown: float = 0.0  # testing: an artificially slow peer
-    slow_layers: tuple[int, int, float] | None = None  # testing: layers [a, b) cost this many extra seconds
     slow_stage: tuple[int, float] | None = None  # testing: whoever holds this stage is this much slower per pass
     poison: str = ""  # testing: "scale" or "nan" corrupts every training tensor sent, after poison_after steps
     poison_after: int = 0
@@ -807,8 +806,6 @@ class PeerDaemon:
         """Send a gradient (or an eval loss) back to exactly the holder that sent us its forward."""
         peer = self._origin.pop(packet.gradients.mb.id, None)
         link = self.upstreams.get(peer) if peer is not None else None
-        if link is None and len(self.upstreams) == 1 and peer is None:
-            link = next(iter(self.upstreams.values()))
         if link is None or link.closed.is_set():
             return  # that upstream holder vanished; our own weights already have this gradient
         try:
@@ -830,11 +827,6 @@ class PeerDaemon:
     def _slow(self, runner: StageRunner) -> None:
         if self.settings.slowdown:
             time.sleep(self.settings.slowdown)
-        if self.settings.slow_layers is not None and self.assignment is not None:
-            a, b, seconds = self.settings.slow_layers
-            overlap = min(b, self.assignment.layer_end) - max(a, self.assignment.layer_start)
-            if overlap > 0:
-                time.sleep(seconds * overlap)
         if self.settings.slow_stage is not None and self.assignment is not None:
             stage, seconds = self.settings.slow_stage
             if self.assignment.stage == stage:
