@@ -9,7 +9,8 @@ Codecs:
 
 * ``fp32`` / ``fp16`` / ``bf16``: the values cast to that float type (``fp32`` is exact);
 * ``raw``: integer tensors (token ids) byte for byte;
-* ``int8``: blockwise absmax, one fp16 scale per block of ``block_size`` elements, 1 byte per value;
+* ``int8``: blockwise absmax, one fp16 scale per block of ``block_size`` elements, 1 byte per value
+  (fp32 scales for a tensor too large for fp16 ones, so every finite tensor encodes);
 * ``int4``: the same with 15 levels, two values per byte;
 * ``int4_rot``: ``int4`` after a seeded randomised Hadamard rotation of every block, which tames
   outliers; only the seed travels.
@@ -36,6 +37,7 @@ DECODED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 1 << 16
 MAX_SEED = (1 << 64) - 1
+FP16_MAX = float(torch.finfo(torch.float16).max)
 
 _STORAGE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"int8": 8, "int4": 4, "int4_rot": 4}
@@ -149,6 +151,11 @@ def encode(
     if codec in _STORAGE_DTYPE:
         if not allow_nonfinite and not _all_finite(x):
             raise CodecError("tensor contains NaN or Inf")
+        if codec == "fp16" and not allow_nonfinite and x.numel() and float(x.detach().abs().max()) > FP16_MAX:
+            raise CodecError(
+                f"values beyond fp16's range (absmax {float(x.detach().abs().max()):.3g} > {FP16_MAX:g}) "
+                "would arrive as Inf; use bf16, fp32 or an integer codec for this direction"
+            )
         return EncodedTensor(codec, shape, x.dtype, _to_bytes(x.to(_STORAGE_DTYPE[codec])))
     bits = _check_quant_params(codec, block_size, seed)
     flat = x.detach().reshape(-1)
@@ -159,10 +166,8 @@ def encode(
     if scales.numel() and not bool(torch.isfinite(scales).all()):
         if not _all_finite(flat):
             raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
-        raise CodecError(
-            f"values too large for the fp16 scales of codec {codec} "
-            f"(absmax {float(flat.abs().max()):.3g}); use fp32 or bf16 for this tensor"
-        )
+        # too large for fp16 scales (int4 near 4.6e5): the same layout with fp32 scales, still exact in range
+        payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32)
     return EncodedTensor(
         codec,
         shape,
@@ -221,12 +226,15 @@ def _decode_quantised(enc: EncodedTensor, n: int, device: torch.device | str | N
             f"payload of {len(enc.payload)} bytes does not match shape {list(enc.shape)} "
             f"with codec {enc.codec} ({expected} bytes expected)"
         )
-    if len(enc.scales) != 2 * nblocks:
+    if len(enc.scales) == 2 * nblocks:
+        scales = _from_bytes(enc.scales, torch.float16, nblocks).float()
+    elif len(enc.scales) == 4 * nblocks:  # fp32 scales: a tensor too large for fp16 ones
+        scales = _from_bytes(enc.scales, torch.float32, nblocks)
+    else:
         raise CodecError(
             f"scales of {len(enc.scales)} bytes do not match {nblocks} blocks of {enc.block_size} "
-            f"elements ({2 * nblocks} bytes of fp16 expected)"
+            f"elements ({2 * nblocks} bytes of fp16 or {4 * nblocks} of fp32 expected)"
         )
-    scales = _from_bytes(enc.scales, torch.float16, nblocks).float()
     if nblocks and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
         raise CodecError(f"codec {enc.codec} message has a negative, NaN or infinite scale")
     target = torch.device(device) if device is not None else torch.device("cpu")

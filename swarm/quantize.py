@@ -6,6 +6,9 @@ Layout (the wire format of ``int8``, ``int4`` and ``int4_rot``):
   shorter (it is padded only logically: the payload carries exactly ``numel`` values);
 * each block has one fp16 scale ``s_b >= absmax_b / L`` (``L = 127`` for int8, ``7`` for int4), the
   fp16 value at or just above it, so ``round(x / s_b)`` never leaves ``[-L, L]`` and no clamp is needed;
+  a tensor whose scales would overflow fp16 (``absmax / L > 65504``: int4 near 4.6e5, int4_rot lower,
+  since the rotation can pile a block into one entry) carries fp32 scales instead, 4 bytes per block
+  (the receiver tells them apart by their length), so any finite tensor up to fp32's range encodes;
 * int8 values are two's complement bytes; int4 values are stored as ``q + 8`` (1..15), two per byte,
   element ``2i`` in the low nibble and ``2i + 1`` in the high nibble; an odd tail leaves the last high
   nibble 0;
@@ -92,11 +95,16 @@ def _nibble_table(device: torch.device) -> torch.Tensor:
 
 
 def quantize(
-    flat: torch.Tensor, bits: int, block_size: int, rotation: BlockRotation | None = None
+    flat: torch.Tensor,
+    bits: int,
+    block_size: int,
+    rotation: BlockRotation | None = None,
+    scale_dtype: torch.dtype = torch.float16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a flat contiguous float tensor; returns ``(payload, scales)`` on its device.
 
-    ``payload`` is int8 (``bits=8``) or packed uint8 (``bits=4``); ``scales`` is fp16, one per block.
+    ``payload`` is int8 (``bits=8``) or packed uint8 (``bits=4``); ``scales`` is ``scale_dtype`` (fp16,
+    or fp32 for values beyond fp16 scales), one per block.
     Non-finite input is not refused here: it shows up as non-finite scales, which the caller checks.
     """
     n = flat.numel()
@@ -104,7 +112,7 @@ def quantize(
     full = n // block_size
     tail = n - full * block_size
     levels = LEVELS[bits]
-    scales = torch.empty(full + (1 if tail else 0), dtype=torch.float16, device=device)
+    scales = torch.empty(full + (1 if tail else 0), dtype=scale_dtype, device=device)
     payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
     offset = torch.full((), _ROUND_MAGIC + (8 if bits == 4 else 0), device=device)
     floor = torch.full((), _SCALE_FLOOR, device=device)
@@ -155,7 +163,7 @@ def _quantize_rows(
     torch.abs(x, out=abuf)
     torch.amax(abuf, dim=1, out=vec)
     torch.add(floor, vec, alpha=gain * _SCALE_MARGIN / levels, out=vec)
-    scales_out.copy_(vec)  # round to fp16: >= absmax / L and >= 2**-24 (inf if it overflows fp16)
+    scales_out.copy_(vec)  # round to fp16 (or fp32): >= absmax / L, > 0 (inf if it overflows fp16)
     vec.copy_(scales_out).reciprocal_()  # 1 / the scale the receiver will see
     if gain != 1.0:
         vec.mul_(gain)
