@@ -847,8 +847,25 @@ class PeerDaemon:
             mb = pb.MicroBatch()
             mb.CopyFrom(act.mb)
             mb.weight_version = runner.version
-            return self.policy.activations(mb, result.output, targets)
-        return self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens)
+            return self._own_output(
+                act.mb, lambda: self.policy.activations(mb, result.output, targets), runner, pending=not act.mb.eval
+            )
+        return self._own_output(
+            act.mb, lambda: self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens), runner
+        )
+
+    def _own_output(
+        self, mb: pb.MicroBatch, encode, runner: StageRunner, *, pending: bool = False, **dropped
+    ) -> pb.Packet:
+        """Encode this stage's own result. If that fails, the fault is ours, not the sender's (its input passed
+        every check): say so, and drop the micro-batch (``pending``: free its graph here) so nothing waits."""
+        try:
+            return encode()
+        except WireError as e:
+            log.error("cannot encode this stage's own output for micro-batch %d: %s; dropped", mb.id, e)
+            if pending:
+                runner.backward(mb.id, None)
+            return pb.Packet(gradients=pb.Gradients(mb=mb, dropped=True, **dropped))
 
     async def _on_gradients(self, g: pb.Gradients, sender: str | None) -> None:
         if self.router is not None and sender is not None:
@@ -875,7 +892,13 @@ class PeerDaemon:
         result = runner.backward(g.mb.id, grad)
         if result.dropped:
             return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
-        return self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens)
+        return self._own_output(
+            g.mb,
+            lambda: self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens),
+            runner,
+            loss_sum=g.loss_sum,
+            tokens=g.tokens,
+        )
 
     # ---- replicas -------------------------------------------------------------------------------
     def _setup_replicas(self, a: cpb.Assignment, train_cfg, ups: dict, downs: dict, replicas: dict) -> None:
