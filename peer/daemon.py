@@ -38,6 +38,7 @@ from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.receive_bounds import LinkBounds, link_bounds
 from swarm.resume import ATTACHED_KEY, ResumeClaim
 from swarm.routing import ReplicaRouter
 from swarm.sanity import DAEMON_SETTINGS, LinkSanity, SanityError
@@ -104,6 +105,7 @@ class PeerDaemon:
         self.runner: StageRunner | None = None
         self.assignment: cpb.Assignment | None = None
         self.policy = WirePolicy()
+        self.bounds: LinkBounds | None = None  # what neighbours may send this block (set with the assignment)
         self.upstreams: dict[str, Link] = {}  # every holder of the previous block, by peer id
         self.downstreams: dict[str, Link] = {}  # every holder of the next block
         self.downstream_ready = asyncio.Event()
@@ -463,6 +465,7 @@ class PeerDaemon:
         if hf is not None and self.settings.hf_path:
             hf = dataclasses.replace(hf, path=self.settings.hf_path)
         self.hf = hf
+        self.bounds = link_bounds(model_cfg, train_cfg)
         self.policy = wire_policy(
             train_cfg.wire_forward,
             train_cfg.wire_backward,
@@ -656,6 +659,7 @@ class PeerDaemon:
             if generation != self.generation:
                 return
             self.attach(side, peer, link)
+            link.bound_packets(self.bounds.max_packet_bytes)
             await link.run(call, self.on_packet)
             await self.link_closed(generation, side, peer, link, f"{side} peer {peer} closed the link")
         except (WireError, StageInputError) as e:
@@ -744,6 +748,7 @@ class PeerDaemon:
         if self.runner is None:
             raise WireError("this peer has no block assigned yet")
         sender = link.remote.peer_id if link.remote is not None else ""
+        self.bounds.check_packet(packet)  # every tensor fits this block, before anything is decoded
         if kind == "activations":
             if self.upstreams.get(sender) is not link:
                 raise WireError("activations may only come from an upstream neighbour")

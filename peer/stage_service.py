@@ -83,6 +83,7 @@ class StageService(wgrpc.StageServicer):
             )
             return
         link.name = f"{d.peer_id}<-{hello.peer_id}"
+        link.bound_packets(d.bounds.max_packet_bytes)
         link.remote = hello
         generation = d.generation
         side = "downstream" if from_downstream else "upstream"

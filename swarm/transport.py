@@ -67,6 +67,10 @@ class Link:
         self._reasm = Reassembler() if max_packet_bytes is None else Reassembler(max_packet_bytes=max_packet_bytes)
         self._packet_ids = itertools.count(1)
 
+    def bound_packets(self, max_bytes: int) -> None:
+        """From now on refuse packets over ``max_bytes`` at their first frame (what this stage's block needs)."""
+        self._reasm.max_packet_bytes = max_bytes
+
     async def send(self, packet: pb.Packet) -> None:
         """Queue ``packet``; waits when the queue is full (backpressure), fails once the link is closed."""
         if self.closed.is_set():

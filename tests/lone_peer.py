@@ -1,0 +1,55 @@
+"""A real peer daemon serving one fixed assignment, without a coordinator or DHT.
+
+Run as ``python -m tests.lone_peer TOKEN``: it holds the last stage of a 2-stage gpt-tiny (upstream
+neighbour "upstream"), serves its Stage.Link with the same auth and limit interceptors as ``ravn-peer``
+(the daemon's own ``start_server``), prints ``serving <host:port>`` and runs until terminated. Tests use
+it to send hostile input to a separate OS process and read that process's memory from /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+from peer.daemon import PeerDaemon, PeerSettings
+from swarm.config import MODEL_PRESETS, TrainConfig
+from swarm.messages import model_to_pb, train_to_pb
+from swarm.multiaddrs import multiaddr_to_grpc_target
+from swarm.pb import control_pb2 as cpb
+
+CFG = MODEL_PRESETS["gpt-tiny"]
+TRAIN = TrainConfig(micro_batches=1, micro_batch_size=2)
+
+
+def assignment() -> cpb.Assignment:
+    return cpb.Assignment(
+        run_id="run",
+        stage=1,
+        num_stages=2,
+        layer_start=1,
+        layer_end=CFG.n_layers,
+        model=model_to_pb(CFG),
+        train=train_to_pb(TRAIN),
+        upstream_peer="upstream",
+        upstream_endpoint="/ip4/127.0.0.1/tcp/1",
+    )
+
+
+async def main(token: str) -> None:
+    daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu", swarm_token=token))
+    endpoint = await daemon.start_server()
+    await daemon._on_assign(assignment())
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print(f"serving {multiaddr_to_grpc_target(endpoint)}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await daemon.close()
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main(sys.argv[1]))
