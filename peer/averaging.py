@@ -13,12 +13,21 @@ replica with the smallest id) is as good as a butterfly all-reduce and far simpl
 A replica that dies mid-round is left out after the timeout and not waited for in later rounds until it
 contributes again; a leader that dies makes the others' calls fail, and they apply nothing (their
 change stays in their next contribution): never a hang, never a half-applied average.
+
+Contributions come from other members, so they are bounded like any received tensor: each change has
+exactly its parameter's shape (checked on the header, before decoding), is finite, and its L2 norm is at
+most ``NORM_FACTOR`` times the receiver's own recent change plus ``NORM_FLOOR``; replicas train the same
+block on the same schedule, so honest changes are of one size. A refused contribution is left out of the
+average and charged to its sender with the refusal accounting of :mod:`swarm.sanity` (enough of them
+quarantine it, and the coordinator excludes it); a quarantined sender is refused at once. A contributor
+checks the leader's answer the same way and applies nothing (charging the leader) when it is too large.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -29,10 +38,14 @@ import torch
 
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.sanity import LinkSanity
 from swarm.wire import WireError, tensor_from_pb, tensor_to_pb
 
 log = logging.getLogger(__name__)
 KEEP_RESULTS = 16  # closed rounds whose result a late replica can still fetch
+NORM_FACTOR = 10.0  # a received change may be this many times the receiver's own recent change ...
+NORM_FLOOR = 1e-3  # ... plus this L2 norm (harmless to any block), for a replica that has barely moved
+KEEP_OWN_NORMS = 4  # own changes of this many recent rounds; the largest is the reference
 
 
 class AverageRefused(Exception):
@@ -51,24 +64,49 @@ class _Round:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: pb.AverageReply | None = None
     closing: bool = False
+    norms: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # sender -> why its contribution was left out
 
 
 def encode_deltas(deltas: dict[str, torch.Tensor], codec: str) -> list[pb.Delta]:
     return [pb.Delta(name=name, tensor=tensor_to_pb(t.float().contiguous(), codec)) for name, t in deltas.items()]
 
 
-def decode_deltas(items, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+def decode_deltas(items, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """Decode a set of changes; with ``shapes``, each must be one of the block's parameters, with its exact
+    shape (checked on the header, so nothing larger than the parameter is ever allocated)."""
     out = {}
     for d in items:
-        if names is not None and d.name not in names:
+        if shapes is not None and d.name not in shapes:
             raise WireError(f"parameter {d.name!r} is not part of this block")
         if d.name in out:
             raise WireError(f"parameter {d.name!r} twice in one contribution")
-        t = tensor_from_pb(d.tensor)
+        shape = shapes[d.name] if shapes is not None else None
+        bound = {} if shape is None else {"expect_shape": shape, "max_elements": max(math.prod(shape), 1)}
+        try:
+            t = tensor_from_pb(d.tensor, **bound)
+        except WireError as e:
+            raise WireError(f"change of {d.name}: {e}") from None
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise WireError(f"change of {d.name} is not a finite floating-point tensor")
         out[d.name] = t.float()
     return out
+
+
+def delta_norm(deltas: dict[str, torch.Tensor]) -> float:
+    """The L2 norm of a whole change, over every parameter."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.float())) ** 2 for t in deltas.values()))
+
+
+def norm_refusal(norm: float, reference: float) -> str | None:
+    """Why a change of ``norm`` is implausible next to the receiver's own ``reference``, or None."""
+    limit = NORM_FACTOR * reference + NORM_FLOOR
+    if math.isfinite(norm) and norm <= limit:
+        return None
+    return (
+        f"change of norm {norm:.3g} exceeds {NORM_FACTOR:g} x this replica's own recent change "
+        f"({reference:.3g}) + {NORM_FLOOR:g}"
+    )
 
 
 class AverageGroup:
@@ -86,10 +124,13 @@ class AverageGroup:
         timeout: float,
         channel: Callable[[str, str], Awaitable[grpc.aio.Channel]],  # target, peer id -> a (pinned) channel
         generation: int = 0,
+        sanity: LinkSanity | None = None,  # where refusals are charged (the daemon's, shared with its links)
     ) -> None:
         self.me, self.run_id, self.layers, self.codec, self.timeout = me, run_id, layers, codec, timeout
         self.shapes = shapes
         self.generation = generation
+        self.sanity = sanity
+        self._own_norms: OrderedDict[int, float] = OrderedDict()
         self._channel = channel
         self.members: dict[str, str] = dict(members)
         self.absent: set[str] = set()
@@ -110,9 +151,21 @@ class AverageGroup:
         for rnd in self._rounds.values():  # a round waiting for a peer that is gone may close now
             self._maybe_close(rnd)
 
+    def reference_norm(self, round_: int) -> float | None:
+        """This replica's largest own change over its recent rounds up to ``round_`` (None: none yet)."""
+        return max((n for r, n in self._own_norms.items() if r <= round_), default=None)
+
+    def _charge(self, sender: str, reason: str) -> None:
+        log.warning("refused the averaging contribution of %s: %s", sender, reason)
+        if self.sanity is not None:
+            self.sanity.charge(sender, f"averaging: {reason}")
+
     # ---- contributor ----------------------------------------------------------------------------
     async def contribute(self, round_: int, delta: dict[str, torch.Tensor]) -> tuple[dict, list[str]] | None:
         """Send this replica's change for ``round_``; the agreed average change, or None (apply nothing)."""
+        self._own_norms[round_] = await asyncio.to_thread(delta_norm, delta)
+        while len(self._own_norms) > KEEP_OWN_NORMS:
+            self._own_norms.popitem(last=False)
         items = await asyncio.to_thread(encode_deltas, delta, self.codec)
         request = pb.AverageRequest(
             run_id=self.run_id,
@@ -135,7 +188,7 @@ class AverageGroup:
                 finally:
                     await ch.close()
                 self.bytes += reply.ByteSize()
-            average = await asyncio.to_thread(decode_deltas, reply.deltas, set(self.shapes))
+            average = await asyncio.to_thread(decode_deltas, reply.deltas, self.shapes)
         except (grpc.aio.AioRpcError, AverageRefused, WireError, TimeoutError, OSError, ValueError) as e:
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             log.warning(
@@ -145,6 +198,11 @@ class AverageGroup:
         if set(average) != set(self.shapes):
             log.warning("average round %d misses parameters; not applied", round_)
             return None
+        if leader != self.me:
+            reason = norm_refusal(await asyncio.to_thread(delta_norm, average), self.reference_norm(round_))
+            if reason is not None:
+                self._charge(leader, f"its average of round {round_}: {reason}")
+                return None
         if self.me not in reply.contributors:
             self.late += 1
         return average, list(reply.contributors)
@@ -156,6 +214,9 @@ class AverageGroup:
             raise AverageRefused(grpc.StatusCode.FAILED_PRECONDITION, f"{self.me} does not lead this group")
         if sender not in self.members:
             raise AverageRefused(grpc.StatusCode.PERMISSION_DENIED, f"{sender!r} is not a replica of this block")
+        if self.sanity is not None and self.sanity.quarantine.excluded(sender):
+            reason = self.sanity.quarantine.reason(sender)
+            raise AverageRefused(grpc.StatusCode.PERMISSION_DENIED, f"{sender!r} is quarantined: {reason}")
         if request.run_id != self.run_id or (request.layer_start, request.layer_end) != self.layers:
             raise AverageRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -167,17 +228,14 @@ class AverageGroup:
         if self._results and request.round < min(self._results):
             raise AverageRefused(grpc.StatusCode.FAILED_PRECONDITION, f"round {request.round} is too old")
         try:
-            deltas = await asyncio.to_thread(decode_deltas, request.deltas, set(self.shapes))
+            deltas = await asyncio.to_thread(decode_deltas, request.deltas, self.shapes)
+            if set(deltas) != set(self.shapes):
+                raise WireError("a contribution must cover every parameter")
         except WireError as e:
+            if sender != self.me:
+                self._charge(sender, str(e))
             raise AverageRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        for name, t in deltas.items():
-            if tuple(t.shape) != self.shapes[name]:
-                raise AverageRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"change of {name} has shape {list(t.shape)}, not {self.shapes[name]}",
-                )
-        if set(deltas) != set(self.shapes):
-            raise AverageRefused(grpc.StatusCode.INVALID_ARGUMENT, "a contribution must cover every parameter")
+        norm = await asyncio.to_thread(delta_norm, deltas)
         if sender != self.me:
             self.bytes += request.ByteSize()
             self.absent.discard(sender)
@@ -185,6 +243,7 @@ class AverageGroup:
         if rnd is None:
             rnd = self._rounds[request.round] = _Round(request.round, deadline=time.monotonic() + self.timeout)
         rnd.deltas[sender] = deltas
+        rnd.norms[sender] = norm
         self._maybe_close(rnd)
         if not rnd.done.is_set():
             try:
@@ -193,6 +252,8 @@ class AverageGroup:
                 pass
         if not rnd.done.is_set():
             await self._close(rnd)
+        if sender in rnd.refused:
+            raise AverageRefused(grpc.StatusCode.INVALID_ARGUMENT, rnd.refused[sender])
         reply = rnd.result
         if sender != self.me:
             self.bytes += reply.ByteSize()
@@ -208,8 +269,9 @@ class AverageGroup:
             await rnd.done.wait()
             return
         rnd.closing = True
+        self._refuse_outliers(rnd)
         contributors = sorted(rnd.deltas)
-        missing = set(self.members) - set(contributors)
+        missing = set(self.members) - set(contributors) - set(rnd.refused)  # a refused member is not absent
         if missing:
             log.warning(
                 "average round %d closed without %s (timeout); not waiting for them again",
@@ -219,6 +281,8 @@ class AverageGroup:
         self.absent |= missing
 
         def average() -> list[pb.Delta]:
+            if not rnd.deltas:  # only refused contributions: an empty answer, which nobody applies
+                return []
             mean = {name: torch.stack([d[name] for d in rnd.deltas.values()]).mean(0) for name in self.shapes}
             return encode_deltas(mean, self.codec)
 
@@ -230,3 +294,23 @@ class AverageGroup:
         while len(self._results) > KEEP_RESULTS:
             self._results.popitem(last=False)
         self._rounds.pop(rnd.number, None)
+
+    def _refuse_outliers(self, rnd: _Round) -> None:
+        """Leave out (and charge) every other member's change too large next to this replica's own.
+
+        Without an own change yet (this leader's contribution is late in its first round), the median of
+        the round's changes is the reference. A refused member is not marked absent: it is waited for
+        (and judged) again next round.
+        """
+        reference = self.reference_norm(rnd.number)
+        if reference is None:
+            reference = rnd.norms.get(self.me)
+        if reference is None:
+            norms = sorted(rnd.norms.values())
+            reference = norms[(len(norms) - 1) // 2] if norms else 0.0
+        for sender in [s for s in rnd.deltas if s != self.me]:
+            reason = norm_refusal(rnd.norms[sender], reference)
+            if reason is not None:
+                del rnd.deltas[sender]
+                rnd.refused[sender] = reason
+                self._charge(sender, f"round {rnd.number}: {reason}")

@@ -932,6 +932,7 @@ class PeerDaemon:
             timeout=train_cfg.average_timeout,
             channel=self._stage_channel,
             generation=self.generation,
+            sanity=self.sanity,  # a lying replica is charged and quarantined like a poisoning neighbour
         )
         self._tasks.append(asyncio.create_task(self._average_loop(self.generation, train_cfg), name="average"))
 

@@ -41,12 +41,12 @@ class TensorBound:
             check_elements(shape, self.max_elements)  # also refuses negative dimensions and absurd ranks
         except LimitExceeded as e:
             fits = f"does not fit this stage's {list(self.caps)}"
-            raise LimitExceeded(f"{self.what} of shape {shape} {fits}: {e}") from None
+            raise LimitExceeded(f"{self.what}: shape {shape} {fits}: {e}") from None
         if len(shape) != len(self.caps):
-            raise WireError(f"{self.what} of shape {shape} must have {len(self.caps)} dimensions")
+            raise WireError(f"{self.what}: shape {shape} must have {len(self.caps)} dimensions")
         for d, cap, exact in zip(shape, self.caps, self.exact, strict=True):
             if d > cap or (exact and d != cap):
-                raise LimitExceeded(f"{self.what} of shape {shape} does not fit this stage's {list(self.caps)}")
+                raise LimitExceeded(f"{self.what}: shape {shape} does not fit this stage's {list(self.caps)}")
 
 
 @dataclass(frozen=True)

@@ -204,9 +204,14 @@ class LinkSanity:
         for key in [k for k in self.trackers if k[0] == sender]:
             del self.trackers[key]
 
-    def _reject(self, sender: str, reason: str) -> float:
+    def charge(self, sender: str, reason: str) -> bool:
+        """Count a refusal that another check made (an averaging contribution, say) against ``sender``, as a
+        rejected tensor counts: enough of them quarantine it. True when ``sender`` is (now) quarantined."""
         self.rejections[sender] += 1
-        quarantined = self.quarantine.record(sender, reason)
+        return self.quarantine.record(sender, reason)
+
+    def _reject(self, sender: str, reason: str) -> float:
+        quarantined = self.charge(sender, reason)
         suffix = f" (sender {sender!r} is now quarantined)" if quarantined else ""
         raise SanityError(reason + suffix)
 

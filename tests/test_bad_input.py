@@ -40,7 +40,7 @@ HELLO = hello_packet("upstream", 0, "run", PROTOCOL_VERSION)
 BAD_CASES = {
     "malformed packet": [pb.Frame(packet_id=9, data=b"\xff\xfe garbage", last=True, total_size=10)],
     "truncated": [pb.Frame(packet_id=9, data=b"\x12\x03ab", last=True, total_size=100)],
-    "does not match the expected": frames(activations(tensor_to_pb(torch.randn(B, T, CFG.d_model + 1), "fp32"))),
+    "does not fit this stage": frames(activations(tensor_to_pb(torch.randn(B, T, CFG.d_model + 1), "fp32"))),
     "must be floating point": frames(
         activations(tensor_to_pb(torch.zeros(B, T, CFG.d_model, dtype=torch.int32), "raw"))
     ),

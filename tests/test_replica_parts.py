@@ -9,10 +9,12 @@ import grpc
 import pytest
 import torch
 
-from peer.averaging import AverageGroup, AverageRefused, encode_deltas
+from peer.averaging import AverageGroup, AverageRefused, decode_deltas, encode_deltas
 from swarm.config import ModelConfig, TrainConfig
 from swarm.pb import wire_pb2 as pb
+from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.routing import ReplicaRouter
+from swarm.sanity import LinkSanity
 from swarm.stage_runner import StageRunner
 from swarm.step_shares import SenderSplit, UpstreamShares
 
@@ -172,7 +174,7 @@ async def _insecure(target: str, peer: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target)
 
 
-def _group(me: str, members: dict[str, str], timeout: float = 2.0) -> AverageGroup:
+def _group(me: str, members: dict[str, str], timeout: float = 2.0, **kw) -> AverageGroup:
     return AverageGroup(
         me,
         members,
@@ -182,6 +184,7 @@ def _group(me: str, members: dict[str, str], timeout: float = 2.0) -> AverageGro
         codec="fp32",
         timeout=timeout,
         channel=_insecure,
+        **kw,
     )
 
 
@@ -225,6 +228,58 @@ def test_leader_averages_everyone_and_closes_a_round_without_a_dead_member() -> 
         nan.deltas[0].tensor.payload = struct.pack("<4f", *[float("nan")] * 4)  # what a hostile peer could send
         with pytest.raises(AverageRefused):
             await leader.collect(nan, "b")
+
+    asyncio.run(scenario())
+
+
+def test_a_lying_replica_contribution_is_refused_charged_and_quarantined() -> None:
+    """Issue 16 item 8: a finite but huge change (x1e4 the leader's own) used to be averaged in unchecked."""
+    sanity = LinkSanity()
+
+    async def scenario() -> None:
+        leader = _group("a", {"a": "x", "b": "y", "c": "z"}, timeout=0.5, sanity=sanity)
+        for round_ in (1, 2, 3):
+            honest, lie = await asyncio.gather(
+                asyncio.gather(*(leader.collect(_request(p, round_, v), p) for p, v in (("a", 1.0), ("b", 2.0)))),
+                leader.collect(_request("c", round_, 1e4), "c"),
+                return_exceptions=True,
+            )
+            assert isinstance(lie, AverageRefused) and lie.code == grpc.StatusCode.INVALID_ARGUMENT, lie
+            reply = honest[0]
+            assert list(reply.contributors) == ["a", "b"]  # the lie is not in the average
+            mean = decode_deltas(reply.deltas)["w"]
+            assert torch.allclose(mean, torch.full((4,), 1.5))
+        assert sanity.rejections["c"] == 3 and sanity.quarantine.excluded("c")  # charged like a bad tensor
+        with pytest.raises(AverageRefused) as e:  # quarantined: refused at once, even with an honest change
+            await leader.collect(_request("c", 4, 1.0), "c")
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert not sanity.rejections["b"]
+
+    asyncio.run(scenario())
+
+
+def test_an_average_far_beyond_the_replicas_own_change_is_not_applied() -> None:
+    """The other direction: a lying leader answers with an average x1e4 the contributor's own change."""
+
+    async def scenario() -> None:
+        sanity = LinkSanity()
+        member = _group("b", {"a": "unused", "b": "unused"}, timeout=0.5, sanity=sanity)
+
+        class LyingLeader(wgrpc.StageServicer):
+            async def Average(self, request, context):  # noqa: N802 - gRPC name
+                huge = encode_deltas({"w": torch.full((4,), 1e4)}, "fp32")
+                return pb.AverageReply(round=request.round, deltas=huge, contributors=["a", "b"])
+
+        server = grpc.aio.server()
+        wgrpc.add_StageServicer_to_server(LyingLeader(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            member.set_members({"a": f"127.0.0.1:{port}", "b": "unused"})
+            assert await member.contribute(1, {"w": torch.ones(4)}) is None  # nothing applied
+        finally:
+            await server.stop(None)
+        assert sanity.rejections["a"] == 1
 
     asyncio.run(scenario())
 
