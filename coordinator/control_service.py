@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from coordinator import upload_checks
 from swarm.config import PROTOCOL_VERSION
 from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.resume import ATTACHED_KEY, ResumeClaim
 from swarm.transport import GRPC_OPTIONS
-from swarm.wire import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
+from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
 
 if TYPE_CHECKING:
     from coordinator.swarm_run import SwarmRun
 
 log = logging.getLogger(__name__)
-MAX_STATE_BYTES = 8 << 30
 MAX_PROBE_BYTES = 2 << 20
 DIAL_BACK_TIMEOUT = 3.0
 
@@ -92,7 +92,10 @@ class ControlService(cgrpc.ControlServicer):
         return cpb.ReportReply()
 
     async def UploadState(self, request_iterator, context: grpc.aio.ServicerContext) -> cpb.UploadReply:  # noqa: N802
-        reasm = Reassembler(max_packet_bytes=MAX_STATE_BYTES, message_type=cpb.StateChunk)
+        run = self.run
+        blocks = [(a, b) for a, b, _ in run.planned.values()]
+        limit = upload_checks.max_upload_bytes(run.s.model, run.s.hf, blocks)  # the largest planned block
+        reasm = Reassembler(max_packet_bytes=limit, message_type=cpb.StateChunk)
         chunk = None
         try:
             async for frame in request_iterator:
@@ -101,8 +104,9 @@ class ControlService(cgrpc.ControlServicer):
                 raise WireError("upload ended before its last frame")
             if not self.run.known(chunk.peer_id):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {chunk.peer_id!r} has not joined this run")
-            tensors = {t.name: tensor_from_pb(t.tensor, max_elements=1 << 31) for t in chunk.tensors}
-            optim = {t.name: tensor_from_pb(t.tensor, max_elements=1 << 31) for t in chunk.optimizer}
+            planned = run.planned.get(chunk.peer_id)
+            spec = upload_checks.block_spec(run.s.model, run.s.hf, chunk, planned[:2] if planned else None)
+            tensors, optim = await asyncio.to_thread(upload_checks.decode_upload, chunk, spec)
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if chunk.periodic:
