@@ -1,7 +1,10 @@
 """Fuzz a LIVE peer: >= 10,000 hostile messages, then check it still computes correct gradients.
 
 The peer is the real daemon with its real gRPC server on loopback (as in test_bad_input), holding the
-last stage of a 2-stage gpt-tiny; the test dials its Stage.Link as the upstream neighbour would. Each
+last stage of a 2-stage gpt-tiny, started with a swarm token: its server runs the same auth and limit
+interceptors as every real peer (``PeerDaemon.start_server``). The test dials its Stage.Link as the
+upstream neighbour would, with that member's proofs, and opens streams no faster than the peer's
+per-sender call rate (what it refuses beyond that rate is RESOURCE_EXHAUSTED, an expected status). Each
 refusal ends one stream, so the messages are spread over many streams (mostly one after another, some
 concurrent). Message families:
 
@@ -28,6 +31,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import os
 import random
 import time
@@ -40,7 +44,9 @@ from hypothesis import strategies as st
 
 from peer.compute import BACKWARD
 from peer.daemon import PeerDaemon, PeerSettings
+from swarm import auth
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
+from swarm.limits import LimitSettings, TokenBucket
 from swarm.messages import model_to_pb, train_to_pb
 from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
@@ -58,6 +64,7 @@ HELLO_FRAMES = list(split_packet(HELLO, 0))
 LINK = "/ravn.wire.Stage/Link"
 STREAM_TIMEOUT = float(os.environ.get("RAVN_FUZZ_STREAM_TIMEOUT", "30"))
 MIN_MESSAGES = 10_000
+TOKEN = auth.generate_token()
 RSS_GROWTH_LIMIT_MB = 200
 POISON_ABS = 1e15  # finite activations beyond this poison the last stage's weights (xfail below)
 SEED = int(os.environ.get("RAVN_FUZZ_SEED", "1117"))
@@ -95,8 +102,23 @@ def assignment() -> cpb.Assignment:
     )
 
 
+class Pace:
+    """Opens calls at most at ``rate`` per second (the peer refuses a member's calls beyond its rate limit)."""
+
+    def __init__(self, rate: float) -> None:
+        self.bucket = TokenBucket(rate, burst=rate)
+
+    async def __call__(self) -> None:
+        wait = self.bucket.reserve(1.0, time.monotonic(), math.inf)
+        if wait:
+            await asyncio.sleep(wait)
+
+
+PACE = Pace(0.9 * LimitSettings().calls_per_s)
+
+
 async def start_peer() -> tuple[PeerDaemon, str]:
-    daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu"))
+    daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu", swarm_token=TOKEN))
     endpoint = await daemon.start_server()
     await daemon._on_assign(assignment())
     return daemon, multiaddr_to_grpc_target(endpoint)
@@ -127,12 +149,13 @@ def good_packet(rng: random.Random, mb_id: int) -> pb.Packet:
 
 
 async def open_channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target)
+    """A channel whose calls carry the upstream member's proofs, as a real neighbour's do."""
+    return grpc.aio.insecure_channel(target, interceptors=auth.client_interceptors(TOKEN, "upstream", "last"))
 
 
 @contextlib.asynccontextmanager
 async def raw_channel(target: str):
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with await open_channel(target) as channel:
         yield channel
 
 
@@ -140,6 +163,7 @@ async def stream(
     channel: grpc.aio.Channel, messages: list, *, raw: bool = False, concurrent_read: bool = True
 ) -> tuple[int, grpc.StatusCode, str, list[pb.Frame]]:
     """Write ``messages`` on one Link, half-close, drain; (messages written, status, details, replies)."""
+    await PACE()
     if raw:
         call = channel.stream_stream(LINK, request_serializer=lambda b: b, response_deserializer=pb.Frame.FromString)()
     else:
@@ -659,3 +683,20 @@ def test_remote_text_is_not_logged_verbatim() -> None:
     messages = [r.getMessage() for r in records]
     assert any("run finished" in m for m in messages), messages  # the refusal was logged ...
     assert not any("\n" in m or "\x1b" in m for m in messages), messages  # ... but not verbatim
+
+
+def test_the_fuzz_target_serves_with_a_real_peers_auth_and_limits() -> None:
+    """Issue 16 item 6: the target used to be a bare server; a stranger's call and a call flood prove it is not."""
+
+    async def scenario(daemon: PeerDaemon, target: str) -> None:
+        async with grpc.aio.insecure_channel(target) as stranger:  # no proof
+            _, code, details, _ = await asyncio.wait_for(stream(stranger, HELLO_FRAMES), STREAM_TIMEOUT)
+        assert code == grpc.StatusCode.UNAUTHENTICATED, (code, details)
+        async with raw_channel(target) as channel:  # a member over its call rate (burst 40)
+            calls = [wgrpc.StageStub(channel).Link() for _ in range(int(LimitSettings().call_burst) + 10)]
+            codes = await asyncio.wait_for(asyncio.gather(*(c.code() for c in calls[-5:])), STREAM_TIMEOUT)
+            for c in calls:
+                c.cancel()
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes, codes
+
+    with_fresh_peer(scenario)
