@@ -11,8 +11,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+import typer  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
 import swarm.stage_runner as stage_runner  # noqa: E402
+from coordinator.options import RunOptions, with_train_options  # noqa: E402
 from swarm.config import TrainConfig  # noqa: E402
 from swarm.hf import HFStageModel, TokenCorpus, hf_model_config  # noqa: E402
 from swarm.hf.tiny import SAMPLE_TEXT, make_tiny_checkpoint  # noqa: E402
@@ -90,3 +93,23 @@ def test_weight_stashing_on_a_lora_block_stashes_and_grads_only_the_adapters(tmp
         else:
             assert p.grad is None, f"frozen {name} got a gradient"
     assert all(not p.requires_grad for p in frozen)
+
+
+def test_lora_rank_0_is_a_frozen_block_that_no_run_accepts(tmp_path):
+    """docs/finetune.md: rank 0 builds a frozen block (evaluation, split checks); a swarm run must train."""
+    path = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    block = HFStageModel(path, 0, 2, dtype=torch.float32, lora_rank=0)
+    assert not any(p.requires_grad for p in block.parameters())
+    assert not block(torch.zeros(1, 4, dtype=torch.long)).requires_grad
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        stage_runner.StageRunner(hf_model_config(path, 16), TrainConfig(), 0, 2, model=block)
+
+    app = typer.Typer()
+
+    @app.command()
+    @with_train_options
+    def serve(options: RunOptions) -> None:
+        raise AssertionError("a rank-0 run must be refused before it starts")
+
+    result = CliRunner().invoke(app, ["--model", str(path), "--lora-rank", "0"])
+    assert result.exit_code == 2 and "--lora-rank" in result.output, result.output
