@@ -99,6 +99,11 @@ class RunOptions:
     def model_name(self) -> str:
         return f"hf:{Path(self.model).name}"[:128] if self.is_checkpoint else self.model
 
+    @property
+    def default_grad_clip(self) -> float:
+        """Stale gradients can spike the loss; with S = 0 nothing is stale, and clipping would break exactness."""
+        return 1.0 if self.schedule == "async" and self.max_staleness > 0 else 0.0
+
     def train_config(self) -> TrainConfig:
         return TrainConfig(
             steps=self.steps,
@@ -115,7 +120,7 @@ class RunOptions:
             max_staleness=self.max_staleness,
             weight_stashing=self.weight_stashing,
             max_in_flight=self.max_in_flight,
-            grad_clip=self.grad_clip if self.grad_clip is not None else (1.0 if self.schedule == "async" else 0.0),
+            grad_clip=self.grad_clip if self.grad_clip is not None else self.default_grad_clip,
             checkpoint_every=self.checkpoint_every,
             average_every=self.average_every,
             average_codec=self.average_codec,
@@ -196,7 +201,7 @@ def _train_params(
         bool,
         typer.Option(
             help="Async: backward with the weights the forward used "
-            "(PipeDream); costs one weight copy per version in flight."
+            "(PipeDream); costs one copy of the trainable parameters per version in flight."
         ),
     ] = False,
     max_in_flight: Annotated[
@@ -206,8 +211,9 @@ def _train_params(
         float | None,
         typer.Option(
             min=0.0,
-            help="Clip each stage's gradient norm (0: off; default: off for sync, 1.0 for async, where stale "
-            "gradients can otherwise spike the loss). Per stage, so not identical to clipping the unsplit model.",
+            help="Clip each stage's gradient norm (0: off; default: 1.0 for async with S >= 1, where stale "
+            "gradients can otherwise spike the loss, else off, so that S = 0 is exactly sync). Per stage, so not "
+            "identical to clipping the unsplit model.",
         ),
     ] = None,
     checkpoint_every: Annotated[

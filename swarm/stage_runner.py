@@ -231,8 +231,8 @@ class StageRunner:
         if stashed is None:
             self.model(x).backward(grad)
         else:
-            params = {k: v.requires_grad_(True) for k, v in stashed.items()}
-            out = torch.func.functional_call(self.model, params, (x,))
+            params = {k: v.requires_grad_(True) for k, v in stashed.items()}  # only trainable ones: the frozen
+            out = torch.func.functional_call(self.model, params, (x,))  # base is the same in every version
             inputs = list(params.values()) + ([] if self.is_first else [x])
             grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
             current = dict(self.model.named_parameters())
@@ -368,7 +368,7 @@ class StageRunner:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.train_cfg.grad_clip)
         waiting = [mb for mb, (_, _, v) in self._pending.items() if v == self.version]
         if waiting and self.train_cfg.weight_stashing:
-            self._stash[self.version] = {k: p.detach().clone() for k, p in self.model.named_parameters()}
+            self._stash[self.version] = {k: p.detach().clone() for k, p in self._named_trainable()}
             held = sum(t.numel() * t.element_size() for st in self._stash.values() for t in st.values())
             self.metrics.stash_bytes_peak = max(self.metrics.stash_bytes_peak, held)
         for mb in waiting:  # their graphs die with this in-place update; keep only the inputs

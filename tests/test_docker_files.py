@@ -29,9 +29,6 @@ DOCKER = ROOT / "docker"
 DOCKERFILES = ("Dockerfile.cpu", "Dockerfile.cuda")
 ENTRYPOINT = DOCKER / "peer-entrypoint.sh"
 ENTRYPOINT_NAME = "ravn-docker-peer"  # where the Dockerfiles install it
-# Options the compose file uses that the CLIs gain with issue 9's integration; allowed to be missing
-# until then, checked like the others once they exist.
-PENDING_OPTIONS = {("ravn-coordinator", "serve"): {"--join-file"}}
 
 
 def console_scripts() -> dict[str, str]:
@@ -139,7 +136,7 @@ def test_compose_coordinator_command_and_fixed_address(compose: dict) -> None:
     svc = compose["services"]["coordinator"]
     program, command, *args = svc["command"]
     assert program in console_scripts() and (program, command) == ("ravn-coordinator", "serve")
-    missing = flags(args) - cli_options(program, command) - PENDING_OPTIONS.get((program, command), set())
+    missing = flags(args) - cli_options(program, command)
     assert not missing, f"compose passes options ravn-coordinator serve does not have: {missing}"
     value = {a: b for a, b in zip(args, args[1:], strict=False) if a.startswith("--")}
     address = svc["networks"]["ravn"]["ipv4_address"]

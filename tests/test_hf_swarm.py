@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from swarm.hf import TokenCorpus  # noqa: E402
@@ -26,7 +27,7 @@ from tests.conftest import read_metrics, run_ravn_local  # noqa: E402
 CONTEXT, MBS, EVAL_BATCHES = 32, 4, 4
 
 
-def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
+def _checkpoint_and_data(tmp_path: Path) -> tuple[Path, Path]:
     ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama")
     data = tmp_path / "qa.jsonl"
     data.write_text(
@@ -35,6 +36,11 @@ def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
             for i in range(200)
         )
     )
+    return ckpt, data
+
+
+def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
+    ckpt, data = _checkpoint_and_data(tmp_path)
     run_ravn_local(
         tmp_path,
         "lora",
@@ -89,3 +95,21 @@ def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
             )
             tokens += int((y != -100).sum())
     assert abs(total / tokens - reported) < 1e-3, (total / tokens, reported)
+
+
+@pytest.mark.slow  # ~30 s; tests/test_hf_runner.py checks the same stash in-process by default
+def test_weight_stashing_in_a_lora_run_stashes_only_adapters(tmp_path: Path) -> None:
+    ckpt, data = _checkpoint_and_data(tmp_path)
+    run_ravn_local(
+        tmp_path, "stash", "--peers", "3", "--model", str(ckpt), "--finetune", "lora", "--lora-rank", "8",
+        "--dtype", "fp32", "--data", str(data), "--context", str(CONTEXT), "--micro-batch-size", str(MBS),
+        "--steps", "12", "--lr", "1e-2", "--eval-every", "0", "--eval-batches", "2",
+        "--schedule", "async", "--max-staleness", "1", "--weight-stashing",
+    )
+    run = tmp_path / "stash"
+    adapter = load_file(run / "adapter" / "adapter_model.safetensors")
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    stages = [m for m in read_metrics(run) if m["kind"] == "summary"][-1]["stages"]
+    assert stages[0]["stash_bytes_peak"] > 0, stages  # the first stage's micro-batches did go stale
+    for s in stages:  # at most S + 1 versions of the adapters, never the frozen base
+        assert s["stash_bytes_peak"] <= 2 * adapter_bytes, (s, adapter_bytes)

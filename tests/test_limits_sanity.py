@@ -319,5 +319,9 @@ def test_half_precision_tensors_are_measured_in_float32(dtype) -> None:
     finite, max_abs, norm = sanity.tensor_stats(torch.full((1000,), 60000.0, dtype=dtype))
     assert finite and math.isfinite(norm) and norm == pytest.approx(60000.0 * math.sqrt(1000), rel=0.01)
     assert max_abs == pytest.approx(60000.0, rel=0.01)
-    with contextlib.suppress(sanity.SanityError):
-        sanity.LinkSanity().check(torch.zeros(0), sender="s", link="l", kind="gradients")
+    empty = torch.zeros(0, dtype=dtype)
+    assert sanity.tensor_stats(empty) == (True, 0.0, 0.0)  # an empty reduction must not raise
+    chk = sanity.LinkSanity()
+    assert feed(chk, [10.0] * chk.s.warmup) == [None] * chk.s.warmup
+    with pytest.raises(sanity.SanityError, match="below"):  # carries nothing: as implausible as a zero tensor
+        chk.check(empty, sender="up", link="up->me", kind="activations")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from tests.conftest import ravn_cmd, read_metrics
 from tests.swarm_procs import Proc, assert_all_gone
 
 POISON_AFTER = 12  # the poisoned peer's block has taken this many optimizer steps
+EVAL_BATCHES = 4  # paired with the step-11 validation, one batch's loss change varies by ~0.1 (measured)
 
 
 @pytest.mark.parametrize("mode", ["scale", pytest.param("nan", marks=pytest.mark.slow)])  # nan: also unit-tested
@@ -37,7 +39,7 @@ def test_a_poisoning_peer_is_excluded_and_the_loss_keeps_falling(tmp_path: Path,
             "--eval-every",
             "4",
             "--eval-batches",
-            "2",
+            str(EVAL_BATCHES),
             "--heartbeat",
             "1",
             "--micro-batch-size",
@@ -74,8 +76,12 @@ def test_a_poisoning_peer_is_excluded_and_the_loss_keeps_falling(tmp_path: Path,
     assert sorted(st["peer"] for st in summary["stages"]) == ["peer-0", "peer-2"]
     evals = [(m["step"], m["loss"]) for m in metrics if m["kind"] == "eval"]
     assert all(math.isfinite(loss) for _, loss in evals), evals
-    before = [loss for step, loss in evals if step < POISON_AFTER]
-    assert before and evals[-1][0] == 39, evals
-    assert evals[-1][1] < before[-1], f"validation loss did not keep falling: {evals}"
+    latest = dict(evals)  # a step validated again after the restore: its newest value counts
+    before = [loss for step, loss in latest.items() if step < POISON_AFTER]
+    assert before and max(latest) == 39, evals
+    # Even a run without faults has loss spikes (one went 3.44 -> 4.78 -> 3.05 at steps 11, 15, 19), so a
+    # single validation can land on one: judge the median of the last four, all long after the recovery.
+    last = [loss for step, loss in sorted(latest.items()) if step >= 27]  # 27, 31, 35, 39 unless one was skipped
+    assert len(last) >= 3 and statistics.median(last) < before[-1], f"validation loss did not keep falling: {evals}"
     log = (tmp_path / name / "logs" / "peer-1.log").read_text()
     assert "shutdown requested by the coordinator: excluded:" in log

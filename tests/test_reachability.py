@@ -19,7 +19,7 @@ def test_too_many_unreachable_peers_are_reported_not_hung() -> None:
     with pytest.raises(Unarrangeable, match="behind NAT"):
         arrange(["a", "b", "c", "d"], {"a": False, "b": False, "c": True, "d": False})
     order = arrange(["a", "b", "c"], {"a": False, "b": False, "c": True})
-    assert order == ["a", "c", "b"] or conflicts(order, {"a": False, "b": False, "c": True}) == []
+    assert order == ["a", "c", "b"]  # one move: b trades places with c, the only reachable peer
 
 
 def test_dial_direction_follows_reachability() -> None:

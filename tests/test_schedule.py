@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import typer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
+from coordinator.options import RunOptions, with_train_options
 from swarm.config import ModelConfig, TrainConfig
 from swarm.schedule import Admission
 from swarm.stage_runner import StageRunner
@@ -24,6 +29,28 @@ def test_zero_staleness_is_gpipe() -> None:
         assert admitted == 4 and a.in_flight == 4  # one step's micro-batches, then wait for all of them
         for _ in range(4):
             a.complete()
+
+
+def recipe(*flags: str) -> TrainConfig:
+    """The recipe a user gets from these command-line flags and every other flag at its default."""
+    app, got = typer.Typer(), []
+
+    @app.command()
+    @with_train_options
+    def serve(options: RunOptions) -> None:
+        got.append(options.train_config())
+
+    result = CliRunner().invoke(app, list(flags))
+    assert result.exit_code == 0, result.output
+    return got[0]
+
+
+def test_async_with_zero_staleness_is_the_sync_recipe_with_default_flags() -> None:
+    """README: S = 0 reproduces sync exactly; so nothing else (such as clipping) may follow the schedule."""
+    sync, s0 = recipe("--schedule", "sync"), recipe("--schedule", "async", "--max-staleness", "0")
+    assert dataclasses.replace(s0, schedule="sync") == sync
+    assert recipe("--schedule", "async").grad_clip == 1.0  # S = 1 by default: stale gradients are clipped
+    assert recipe("--schedule", "async", "--max-staleness", "0", "--grad-clip", "0.5").grad_clip == 0.5
 
 
 @settings(max_examples=200, deadline=None)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, ravn_cmd
+from tests.conftest import ROOT, ravn_cmd, read_metrics
 from tests.swarm_procs import Proc, assert_all_gone
 
 
@@ -90,11 +90,18 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
             timeout=60,
             env=auth_env,
         )
-        assert out.returncode in (0, 1), out.stderr  # healthy, or degraded while a peer is still warming up
         status = json.loads(out.stdout)
+        verdict = status["verdict"]
+        assert verdict["level"] in ("healthy", "degraded"), verdict  # degraded while a peer is still warming up
+        assert out.returncode == {"healthy": 0, "degraded": 1}[verdict["level"]], (out.returncode, verdict)
+        assert (verdict["level"] == "degraded") == bool(verdict["problems"]), verdict  # degraded says why
         assert status["run"]["step"] >= 10 and status["run"]["val_loss"] is not None
         assert sorted(p["name"] for p in status["peers"]) == ["peer-0", "peer-1"]
-        assert {tuple(b["layers"]) for b in status["blocks"]} == {(0, 1), (1, 3)} or len(status["blocks"]) == 2
+        assigned = {tuple(m["layers"]) for m in read_metrics(tmp_path / "live") if m["kind"] == "assign"}
+        blocks = sorted(tuple(b["layers"]) for b in status["blocks"])
+        assert set(blocks) == assigned and blocks[0][0] == 0 and blocks[-1][1] == 3, (blocks, assigned)
+        assert blocks[0][1] == blocks[1][0] and all(b["covered"] and b["replicas"] == 1 for b in status["blocks"])
+        assert {tuple(p["block"]) for p in status["peers"]} == assigned, status["peers"]
         table = subprocess.run(
             ravn_cmd("status", "--coordinator", target),
             cwd=ROOT,
