@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from coordinator import upload_checks
+from coordinator.checkpoint_store import StaleCheckpoint
 from swarm.config import PROTOCOL_VERSION
 from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
@@ -112,6 +113,8 @@ class ControlService(cgrpc.ControlServicer):
         if chunk.periodic:
             try:
                 await asyncio.to_thread(self.run.on_checkpoint, chunk, tensors, optim)
+            except StaleCheckpoint as e:  # trained under a plan the run has left (a recovery re-planned)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         else:

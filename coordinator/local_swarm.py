@@ -92,6 +92,7 @@ async def run_local(
     slow_peer: str = "",
     slow_stage: str = "",
     poison_peer: str = "",
+    crash_at_checkpoint: str = "",
 ) -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
@@ -126,6 +127,7 @@ async def run_local(
         for i in range(settings.peers):
             extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
             extra += ["--debug-slow-stage", slow_stage] if slow_stage else []
+            extra += ["--debug-crash-at-checkpoint", crash_at_checkpoint] if crash_at_checkpoint else []
             if poison_peer.startswith(f"{i}:"):  # INDEX:MODE:STEPS
                 _, mode, after = poison_peer.split(":")
                 extra += ["--debug-poison", mode, "--debug-poison-after", after]

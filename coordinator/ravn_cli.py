@@ -54,6 +54,9 @@ def local(
     debug_poison_peer: Annotated[
         str, typer.Option(hidden=True, help="Testing: INDEX:MODE:STEPS poisons one peer (ravn-peer --debug-poison).")
     ] = "",
+    debug_crash_at_checkpoint: Annotated[
+        str, typer.Option(hidden=True, help="Testing: STAGE=VERSION (ravn-peer --debug-crash-at-checkpoint).")
+    ] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
@@ -94,6 +97,7 @@ def local(
                 slow_peer=debug_slow_peer,
                 slow_stage=debug_slow_stage,
                 poison_peer=debug_poison_peer,
+                crash_at_checkpoint=debug_crash_at_checkpoint,
             )
         )
     finally:

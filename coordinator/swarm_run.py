@@ -283,6 +283,7 @@ class SwarmRun:
             and claim.plan_version <= self.plan.version  # one peer per stage: same blocks, same neighbours
             and (claim.stage, claim.layer_start, claim.layer_end) == (a.stage, a.layer_start, a.layer_end)
             and claim.weight_version >= self._restore_version
+            and claim.epoch == self.store.epoch  # its block belongs to the current timeline
         )
 
     def known(self, peer_id: str) -> bool:
@@ -770,7 +771,7 @@ class SwarmRun:
         self, chunk: cpb.StateChunk, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]
     ) -> None:
         """A stage's periodic state (runs on a worker thread): file it; note when a version completes."""
-        self.store.save(chunk.version, chunk.layer_start, chunk.layer_end, weights, optim)
+        self.store.save(chunk.epoch, chunk.version, chunk.layer_start, chunk.layer_end, weights, optim)
         if self.store.is_complete(chunk.version):
             self.store.write_index()
             self.artifacts.log("checkpoint", version=chunk.version)
@@ -837,6 +838,7 @@ class SwarmRun:
             if not survivors:
                 raise RunFailed(f"{reason}; no peer is left to continue")
             version = self._restore_version = self.store.latest_complete() or 0
+            self.store.begin_epoch(version)  # the dead plan's later checkpoints go; its uploads are refused
             self._resumed_through = -1  # steps are redone from here: all of them count
             await self._publish(self._plan_for(survivors))
             self._lost -= gone
@@ -895,6 +897,7 @@ class SwarmRun:
             downstream_peer=down.peer_id if down else "",
             hf=hf_to_pb(self.s.hf) if self.s.hf else None,
             restore_version=self._restore_version,
+            epoch=self.store.epoch,
             dial_upstream=up is not None and not me.reachable,
             accept_downstream=down is not None and not all(p.reachable for p in downs),
             upstreams=[cpb.Neighbour(peer_id=p.peer_id, endpoint=p.endpoint) for p in ups],
@@ -919,6 +922,7 @@ class SwarmRun:
             if resume is None:
                 await self._publish(self._publishable([(0, s.model.n_layers, [])]))  # the swarm exists: come in
                 records = await self._gather()
+                self.store.begin_epoch(0)  # checkpoints left in this folder by another run are not ours
                 await self._publish(self._plan_for(records))
                 self.progress.message(
                     "plan: " + ", ".join(f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items())

@@ -40,6 +40,16 @@ def _slow_stage(spec: str) -> tuple[int, float] | None:
         raise typer.BadParameter("expected STAGE=SECONDS", param_hint="--debug-slow-stage") from None
 
 
+def _crash_at(spec: str) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    try:
+        stage, version = spec.split("=")
+        return int(stage), int(version)
+    except ValueError:
+        raise typer.BadParameter("expected STAGE=VERSION", param_hint="--debug-crash-at-checkpoint") from None
+
+
 @app.command()
 def join(
     swarm: Annotated[str, typer.Option(envvar="RAVN_SWARM", help="Name of the swarm to join.")] = "",
@@ -96,6 +106,12 @@ def join(
     ] = "",
     debug_poison: Annotated[
         str, typer.Option(hidden=True, help="Testing: 'scale' (x1e6) or 'nan' corrupts every training tensor sent.")
+    ] = "",
+    debug_crash_at_checkpoint: Annotated[
+        str,
+        typer.Option(
+            hidden=True, help="Testing: STAGE=VERSION: that stage's holder dies instead of uploading that checkpoint."
+        ),
     ] = "",
     debug_poison_after: Annotated[
         int, typer.Option(hidden=True, min=0, help="Testing: optimizer steps of the block before --debug-poison.")
@@ -179,6 +195,7 @@ def join(
         slow_stage=_slow_stage(debug_slow_stage),
         poison=debug_poison,
         poison_after=debug_poison_after,
+        crash_at_checkpoint=_crash_at(debug_crash_at_checkpoint),
         swarm_token=swarm_token,
         metrics_port=metrics_port,
         metrics_host=metrics_host,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -22,10 +23,11 @@ from peer.compute import BACKWARD, FORWARD, OTHER, ComputeWorker
 from peer.control_channel import ControlAddress, dial_control, failure_detail
 from peer.discovery import Discovery, DiscoveryError
 from peer.driver import Driver
-from peer.faults import wire_policy
+from peer.faults import crash_due, wire_policy
 from peer.probe import measure_bandwidth
 from peer.stage_service import StageService
 from swarm import auth, limits, tls
+from swarm.checkpoint import state_digest
 from swarm.codec_policy import WirePolicy
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
@@ -74,6 +76,7 @@ class PeerSettings:
     slow_stage: tuple[int, float] | None = None  # testing: whoever holds this stage is this much slower per pass
     poison: str = ""  # testing: "scale" or "nan" corrupts every training tensor sent, after poison_after steps
     poison_after: int = 0
+    crash_at_checkpoint: tuple[int, int] | None = None  # testing: (stage, version) whose holder dies, see faults
     hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
     metrics_host: str = "127.0.0.1"
@@ -136,12 +139,16 @@ class PeerDaemon:
 
     # ---- compute thread -------------------------------------------------------------------------
     async def run_compute(self, fn, *args, priority: int = OTHER):
+        generation = self.generation
         result = await self.compute.run(fn, *args, priority=priority)
         self._stepped.set()
         runner = self.runner
         if runner is not None and runner.pending_checkpoint is not None:
             snapshot, runner.pending_checkpoint = runner.pending_checkpoint, None
-            self._tasks.append(asyncio.create_task(self._upload_checkpoint(*snapshot), name="checkpoint"))
+            if generation == self.generation:  # else a step of an assignment we no longer hold
+                self._tasks.append(
+                    asyncio.create_task(self._upload_checkpoint(*snapshot, generation=generation), name="checkpoint")
+                )
         return result
 
     def channel(self, target: str, audience: str = auth.COORDINATOR_AUDIENCE, **kw) -> grpc.aio.Channel:
@@ -354,9 +361,9 @@ class PeerDaemon:
                         self.driver.stop_after_step()
                 elif kind == "collect_state":
                     if command.collect_state.checkpoint:
-                        runner = self.runner
+                        runner, generation = self.runner, self.generation
                         version, (weights, optim) = runner.version, await self.run_compute(runner.checkpoint_state)
-                        await self._upload_checkpoint(version, weights, optim)
+                        await self._upload_checkpoint(version, weights, optim, generation=generation)
                     else:
                         await self._upload_state()
                 elif kind == "shutdown":
@@ -393,6 +400,7 @@ class PeerDaemon:
             layer_end=a.layer_end,
             weight_version=runner.version,
             generation=self.generation,
+            epoch=a.epoch,
         )
 
     async def _coordinator_target(self, current: ControlAddress) -> ControlAddress:
@@ -564,12 +572,18 @@ class PeerDaemon:
         weights = {t.name: self.policy.decode(t.tensor) for t in chunk.tensors}
         optim = {t.name: self.policy.decode(t.tensor) for t in chunk.optimizer}
         await self.run_compute(self.runner.restore, version, weights, optim)
-        log.info("restored %d tensors at weight version %d", len(weights), version)
+        digest = await asyncio.to_thread(state_digest, weights, optim)
+        log.info("restored %d tensors at weight version %d (state digest %s)", len(weights), version, digest)
 
-    async def _upload_checkpoint(self, version: int, weights: dict, optim: dict) -> None:
-        a, generation = self.assignment, self.generation
-        if a is None or self._control is None:
+    async def _upload_checkpoint(self, version: int, weights: dict, optim: dict, *, generation: int) -> None:
+        """Upload a checkpoint taken under assignment ``generation``; never once that assignment is gone
+        (the coordinator would refuse it anyway: its plan epoch is over)."""
+        a = self.assignment
+        if a is None or self._control is None or generation != self.generation:
             return
+        if crash_due(self.settings.crash_at_checkpoint, a.stage, generation, version):
+            log.error("--debug-crash-at-checkpoint: dying instead of uploading checkpoint v%d", version)
+            os._exit(3)
 
         def build() -> cpb.StateChunk:
             chunk = cpb.StateChunk(
@@ -579,6 +593,7 @@ class PeerDaemon:
                 layer_start=a.layer_start,
                 layer_end=a.layer_end,
                 periodic=True,
+                epoch=a.epoch,
             )
             for name, t in weights.items():
                 chunk.tensors.add(name=name, tensor=tensor_to_pb(t.float(), "fp32"))
@@ -587,6 +602,9 @@ class PeerDaemon:
             return chunk
 
         chunk = await asyncio.to_thread(build)
+        if generation != self.generation:
+            log.info("checkpoint v%d dropped: re-assigned while it was being packed", version)
+            return
 
         async def frames():
             for frame in split_packet(chunk, version):
@@ -939,11 +957,12 @@ class PeerDaemon:
     async def _on_update(self, a: cpb.Assignment) -> None:
         """Same block, fewer neighbours or replicas (one left): forget the gone ones, keep training."""
         current = self.assignment
-        if current is None or (a.stage, a.layer_start, a.layer_end, a.run_id) != (
+        if current is None or (a.stage, a.layer_start, a.layer_end, a.run_id, a.epoch) != (
             current.stage,
             current.layer_start,
             current.layer_end,
             current.run_id,
+            current.epoch,
         ):
             raise AssignmentError("an update must keep this peer's block; the coordinator sent another")
         await self._check_against_plan(a)

@@ -1,4 +1,5 @@
-"""Deliberate faults for tests: a peer that poisons what it sends (``ravn-peer join --debug-poison``).
+"""Deliberate faults for tests: a peer that poisons what it sends (``ravn-peer join --debug-poison``), or
+one that dies between taking a checkpoint and uploading it (``--debug-crash-at-checkpoint``).
 
 A real component with one method overridden (as hivemind's tests inject a "faulty averager"): the
 poisoned peer computes honestly, then scales by 1e6 or fills with NaN every training tensor it sends,
@@ -47,6 +48,13 @@ class PoisonedPolicy(WirePolicy):
         if grad is not None and self._active(mb):
             packet.gradients.grad.CopyFrom(self._poison(grad))
         return packet
+
+
+def crash_due(spec: tuple[int, int] | None, stage: int, generation: int, version: int) -> bool:
+    """``--debug-crash-at-checkpoint STAGE=VERSION``: does the holder of STAGE die now, instead of uploading
+    checkpoint VERSION? Only in the peer's first assignment, so that a survivor given that stage by the
+    recovery replays the same version without dying too (a fault that strikes once, at a known moment)."""
+    return spec is not None and generation == 0 and spec == (stage, version)
 
 
 def wire_policy(

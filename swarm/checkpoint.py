@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -26,6 +27,18 @@ def save_checkpoint(path: Path, state: dict[str, torch.Tensor], model: ModelConf
               metadata={"model_config": json.dumps(asdict(model)), **meta})
     tmp.replace(path)
     return path
+
+
+def state_digest(weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> str:
+    """A fingerprint of a block's state (names, dtypes, shapes, bytes): a peer logs it when it restores,
+    so that what it loaded can be checked against the checkpoint files on the coordinator's disk."""
+    h = hashlib.sha256()
+    for kind, part in (("w", weights), ("o", optim)):
+        for name in sorted(part):
+            t = part[name].detach().cpu().contiguous()
+            h.update(f"{kind}/{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 def load_checkpoint(path: Path | str) -> tuple[StageModel, ModelConfig]:

@@ -19,7 +19,8 @@ MAX_CLAIM_CHARS = 1024
 
 @dataclass(frozen=True)
 class ResumeClaim:
-    """'I am resuming run R under plan version P, at stage S, layers [a, b), weight version V, generation G.'"""
+    """'I am resuming run R under plan version P, at stage S, layers [a, b), weight version V, generation G,
+    plan epoch E.'"""
 
     run_id: str
     plan_version: int
@@ -28,6 +29,7 @@ class ResumeClaim:
     layer_end: int
     weight_version: int  # optimizer steps this block has taken
     generation: int  # how many assignments this peer process has had (for the logs)
+    epoch: int  # the plan epoch of its assignment: a block of another timeline is never adopted
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((RESUME_KEY, json.dumps(asdict(self), separators=(",", ":"))),)

@@ -1,4 +1,5 @@
-"""Fault tolerance on real processes: a peer killed mid-run costs at most C steps, never the run."""
+"""Fault tolerance on real processes: a peer killed mid-run costs fewer than 2C steps (fewer than C unless the
+newest checkpoint was still uploading), never the run."""
 
 from __future__ import annotations
 
@@ -63,8 +64,15 @@ def test_sigkill_of_a_middle_peer_resumes_from_the_last_checkpoint(tmp_path: Pat
     metrics = read_metrics(tmp_path / "rec")
     recovery = next(m for m in metrics if m["kind"] == "recovery")
     assert recovery["gone"] == [victim]
-    # at most C steps, plus the steps taken while the latest checkpoint was still uploading
-    assert recovery["from_step"] >= 20 - C and recovery["lost_steps"] <= 2 * C
+    # the restore point is the newest checkpoint whose blocks had all arrived when the peer died
+    before = metrics[: metrics.index(recovery)]
+    complete = [m["version"] for m in before if m["kind"] == "checkpoint"]
+    steps_done = max(m["step"] for m in before if m["kind"] == "step") + 1
+    assert recovery["from_step"] == max(complete) >= 20 - C, (recovery, complete)
+    assert recovery["lost_steps"] == steps_done - recovery["from_step"], (recovery, steps_done)
+    # the documented bound (docs/fault_tolerance.md): fewer than C steps since the newest snapshot, plus C
+    # more if that snapshot was still uploading (the kill lands just after a checkpoint: it often is)
+    assert recovery["lost_steps"] < 2 * C, (recovery, steps_done, complete)
     after_recovery = metrics[metrics.index(recovery) :]
     first_step_after = next(m for m in after_recovery if m["kind"] == "step")
     assert first_step_after["time"] - recovery["time"] < 15, "training did not resume within 15 s"

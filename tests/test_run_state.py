@@ -84,7 +84,7 @@ def test_forget_run_and_torn_metrics(tmp_path: Path) -> None:
 
 def test_resume_claim_round_trips_and_rejects_bad_metadata() -> None:
     claim = ResumeClaim(
-        run_id="demo", plan_version=2, stage=1, layer_start=1, layer_end=3, weight_version=41, generation=1
+        run_id="demo", plan_version=2, stage=1, layer_start=1, layer_end=3, weight_version=41, generation=1, epoch=3
     )
     assert ResumeClaim.from_metadata([("x-other", "1"), *claim.metadata()]) == claim
     assert ResumeClaim.from_metadata([("x-other", "1")]) is None

@@ -106,7 +106,7 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., device: _Optional[str] = ..., free_memory: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version", "dial_upstream", "accept_downstream", "upstreams", "downstreams", "replicas")
+    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version", "dial_upstream", "accept_downstream", "upstreams", "downstreams", "replicas", "epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class Assignment(_message.Message):
     UPSTREAMS_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAMS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     stage: int
     num_stages: int
@@ -143,7 +144,8 @@ class Assignment(_message.Message):
     upstreams: _containers.RepeatedCompositeFieldContainer[Neighbour]
     downstreams: _containers.RepeatedCompositeFieldContainer[Neighbour]
     replicas: _containers.RepeatedCompositeFieldContainer[Neighbour]
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ..., dial_upstream: _Optional[bool] = ..., accept_downstream: _Optional[bool] = ..., upstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., downstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ..., dial_upstream: _Optional[bool] = ..., accept_downstream: _Optional[bool] = ..., upstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., downstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Neighbour(_message.Message):
     __slots__ = ("peer_id", "endpoint")
@@ -307,7 +309,7 @@ class NamedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_wire_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("peer_id", "stage", "tensors", "version", "layer_start", "layer_end", "optimizer", "periodic")
+    __slots__ = ("peer_id", "stage", "tensors", "version", "layer_start", "layer_end", "optimizer", "periodic", "epoch")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +318,7 @@ class StateChunk(_message.Message):
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     PERIODIC_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
@@ -324,7 +327,8 @@ class StateChunk(_message.Message):
     layer_end: int
     optimizer: _containers.RepeatedCompositeFieldContainer[NamedTensor]
     periodic: bool
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., version: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., optimizer: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., periodic: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., version: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., optimizer: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., periodic: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("peer_id", "version", "names")
