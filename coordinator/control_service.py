@@ -1,7 +1,9 @@
 """The coordinator's gRPC face: peers join, report, and upload their blocks here.
 
 It only translates between the wire and the ``SwarmRun`` that owns all decisions; every bad request
-gets a gRPC status naming what to fix (wrong protocol version, bad endpoint, duplicate name).
+gets a gRPC status naming what to fix (wrong protocol version, bad endpoint, duplicate name). A call that
+names a peer is served only to that peer, and an upload only for its own block at an expected version
+(coordinator/call_checks.py); Status, DialBack and Probe name no peer and serve any token holder.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from coordinator import upload_checks
+from coordinator.call_checks import CallRefused, caller_is, upload_allowed
 from coordinator.checkpoint_store import StaleCheckpoint
+from swarm.auth import authenticated_peer
 from swarm.config import PROTOCOL_VERSION
 from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
@@ -64,6 +68,7 @@ class ControlService(cgrpc.ControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not request.peer_id or len(request.peer_id) > 128:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "peer_id must be 1..128 characters")
+        await self._caller_is(context, request.peer_id)
         try:
             claim = ResumeClaim.from_metadata(context.invocation_metadata())
         except ValueError as e:
@@ -86,13 +91,21 @@ class ControlService(cgrpc.ControlServicer):
             self.run.lost(session.peer_id, "its control stream was cancelled", session)
             raise
 
+    async def _caller_is(self, context: grpc.aio.ServicerContext, peer_id: str) -> None:
+        try:
+            caller_is(self.run, context, peer_id)
+        except CallRefused as e:
+            await context.abort(e.code, str(e))
+
     async def Report(self, request: cpb.StatusReport, context: grpc.aio.ServicerContext) -> cpb.ReportReply:  # noqa: N802
+        await self._caller_is(context, request.peer_id)
         if not self.run.known(request.peer_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {request.peer_id!r} has not joined this run")
         self.run.on_report(request)
         return cpb.ReportReply()
 
     async def UploadState(self, request_iterator, context: grpc.aio.ServicerContext) -> cpb.UploadReply:  # noqa: N802
+        await self._caller_is(context, authenticated_peer(context) or "")  # a member's own, before reading it
         run = self.run
         blocks = [(a, b) for a, b, _ in run.planned.values()]
         limit = upload_checks.max_upload_bytes(run.s.model, run.s.hf, blocks)  # the largest planned block
@@ -103,8 +116,13 @@ class ControlService(cgrpc.ControlServicer):
                 chunk = reasm.push(frame)
             if chunk is None:
                 raise WireError("upload ended before its last frame")
+            await self._caller_is(context, chunk.peer_id)
             if not self.run.known(chunk.peer_id):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {chunk.peer_id!r} has not joined this run")
+            try:
+                upload_allowed(self.run, chunk)
+            except CallRefused as e:
+                await context.abort(e.code, str(e))
             planned = run.planned.get(chunk.peer_id)
             spec = upload_checks.block_spec(run.s.model, run.s.hf, chunk, planned[:2] if planned else None)
             tensors, optim = await asyncio.to_thread(upload_checks.decode_upload, chunk, spec)
@@ -122,6 +140,7 @@ class ControlService(cgrpc.ControlServicer):
         return cpb.UploadReply(tensors=len(tensors))
 
     async def FetchState(self, request: cpb.FetchStateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await self._caller_is(context, request.peer_id)
         if not self.run.known(request.peer_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {request.peer_id!r} has not joined this run")
         try:

@@ -118,6 +118,7 @@ def make_plan(
     *,
     reachable: dict[str, bool] | None = None,
     fingerprints: dict[str, str] | None = None,
+    public_keys: dict[str, str] | None = None,
     coordinator_tls_fingerprint: str = "",
     swarm: str,
     run_id: str,
@@ -128,6 +129,7 @@ def make_plan(
 ) -> Plan:
     """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage; ``fingerprints``: the
     TLS certificate each peer's record announced, which its neighbours pin (signed with the plan);
+    ``public_keys``: the key each peer's record is signed with (pinned at join), which signs its calls;
     ``coordinator_tls_fingerprint``: the Control service's certificate, which every peer pins ("" in clear)."""
     return Plan.model_validate(
         {
@@ -149,6 +151,7 @@ def make_plan(
                             "endpoint": e,
                             "reachable": (reachable or {}).get(p, True),
                             "tls_fingerprint": (fingerprints or {}).get(p, ""),
+                            "public_key": (public_keys or {}).get(p, ""),
                         }
                         for p, e in peers
                     ],

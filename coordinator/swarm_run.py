@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from coordinator.artifacts import RunArtifacts
+from coordinator.call_checks import checkpoint_window
 from coordinator.checkpoint_store import CheckpointStore
 from coordinator.control_service import ControlService
 from coordinator.cost_model import CostModel, InfeasiblePlanError
@@ -39,6 +40,7 @@ from coordinator.status_view import (
 from swarm import auth, limits, tls
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord, Plan
+from swarm.identity import plan_keys
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
 from swarm.metrics import MetricsServer
 from swarm.multiaddrs import grpc_target_to_multiaddr
@@ -128,6 +130,7 @@ class SwarmRun:
         self.predicted_throughput = 0.0
         self.reachable: dict[str, bool] = {}
         self.fingerprints: dict[str, str] = {}  # peer id -> TLS fingerprint from its record ("" in clear)
+        self.public_keys: dict[str, str] = {}  # peer id -> the key its record is signed with: signs its calls
         self._departures: list[str] = []
         self._lost: set[str] = set()
         self._departed: set[str] = set()
@@ -217,6 +220,7 @@ class SwarmRun:
         self.reachable = dict(state.reachable)
         if self.plan is not None:  # pins survive a restart: later plans (a replica lost) must keep them
             self.fingerprints = {p.peer_id: p.tls_fingerprint for st in self.plan.stages for p in st.peers}
+            self.public_keys = plan_keys(self.plan)
         self._restore_version = state.restore_version
         self._last_step = state.last_step
         for event in read_events(self.s.run_dir):
@@ -288,6 +292,15 @@ class SwarmRun:
 
     def known(self, peer_id: str) -> bool:
         return peer_id in self.sessions
+
+    def checkpoint_window(self) -> tuple[int, int]:
+        """The versions a periodic checkpoint may carry now (see coordinator/call_checks.py)."""
+        t = self.s.train
+        return checkpoint_window(self._restore_version, self._last_step, t.steps, t.checkpoint_every, t.staleness_bound)
+
+    def peer_key(self, peer_id: str) -> str | None:
+        """The key of ``peer_id``'s signed record, pinned when it was planned: only its holder may call as it."""
+        return self.public_keys.get(peer_id)
 
     def lost(self, peer_id: str, why: str, session: PeerSession | None = None) -> None:
         """A control stream broke: the peer process is gone (its DHT record will expire too)."""
@@ -489,7 +502,7 @@ class SwarmRun:
     async def start_server(self) -> int:
         interceptors = []
         if self.s.swarm_token:
-            verifier = auth.Verifier(self.s.swarm_token, audiences=[auth.COORDINATOR_AUDIENCE])
+            verifier = auth.Verifier(self.s.swarm_token, audiences=[auth.COORDINATOR_AUDIENCE], keys=self.peer_key)
             interceptors = [auth.ServerAuth(verifier), limits.ServerLimits(limits.LimitSettings(inflight_per_sender=8))]
         self._server = grpc.aio.server(options=GRPC_OPTIONS + limits.SERVER_OPTIONS, interceptors=interceptors)
         cgrpc.add_ControlServicer_to_server(ControlService(self), self._server)
@@ -537,6 +550,7 @@ class SwarmRun:
         blocks, groups, throughput = self._layout(records)
         endpoints = {r.peer_id: r.endpoint for r in records}
         self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
+        self.public_keys = {r.peer_id: r.public_key for r in records if r.public_key}
         stages = [(a, b, [(p, endpoints[p]) for p in group]) for (a, b), group in zip(blocks, groups, strict=True)]
         self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
         self.predicted_throughput = throughput
@@ -638,6 +652,7 @@ class SwarmRun:
         return make_plan(
             reachable=self.reachable,
             fingerprints=self.fingerprints,
+            public_keys=self.public_keys,
             coordinator_tls_fingerprint=self.tls_fingerprint,
             swarm=self.s.swarm,
             run_id=self.run_id,

@@ -31,6 +31,7 @@ from swarm.checkpoint import state_digest
 from swarm.codec_policy import WirePolicy
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
+from swarm.identity import plan_keys
 from swarm.measure import device_name, free_memory_bytes, layer_throughput
 from swarm.messages import AssignmentError, assignment_configs, check_assignment
 from swarm.messages import assignment_neighbours as neighbours
@@ -41,6 +42,7 @@ from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.receive_bounds import LinkBounds, link_bounds
+from swarm.record_signing import new_key
 from swarm.resume import ATTACHED_KEY, ResumeClaim
 from swarm.routing import ReplicaRouter
 from swarm.sanity import DAEMON_SETTINGS, LinkSanity, SanityError
@@ -96,6 +98,8 @@ class PeerDaemon:
     def __init__(self, settings: PeerSettings, discovery: Discovery | None = None) -> None:
         self.settings = settings
         self.discovery = discovery
+        # the key of this process's DHT record; every call it makes is signed with it (swarm/identity.py)
+        self.signing_key = discovery.signing_key if discovery is not None else new_key()
         self.plan: Plan | None = None
         self.generation = 0
         self.metrics_server = MetricsServer()
@@ -154,7 +158,7 @@ class PeerDaemon:
     def channel(self, target: str, audience: str = auth.COORDINATOR_AUDIENCE, **kw) -> grpc.aio.Channel:
         """A channel whose every call carries this peer's proof of swarm membership for ``audience``."""
         interceptors = (
-            auth.client_interceptors(self.settings.swarm_token, self.peer_id, audience)
+            auth.client_interceptors(self.settings.swarm_token, self.peer_id, audience, signer=self.signing_key)
             if self.settings.swarm_token
             else None
         )
@@ -163,14 +167,22 @@ class PeerDaemon:
     async def control_channel(self, address: ControlAddress) -> grpc.aio.Channel:
         """A channel to the coordinator, with proofs, pinned to the certificate the signed plan names (if any)."""
         token = self.settings.swarm_token
-        interceptors = auth.client_interceptors(token, self.peer_id, auth.COORDINATOR_AUDIENCE) if token else None
+        interceptors = (
+            auth.client_interceptors(token, self.peer_id, auth.COORDINATOR_AUDIENCE, signer=self.signing_key)
+            if token
+            else None
+        )
         return await dial_control(address, interceptors, self.settings.link_timeout)
+
+    def peer_key(self, peer: str) -> str | None:
+        """The key the signed plan pins for ``peer`` (None: not in our plan): who may call in its name."""
+        return plan_keys(self.plan).get(peer)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start_server(self) -> str:
         interceptors = []
         if self.settings.swarm_token:
-            verifier = auth.Verifier(self.settings.swarm_token, audiences=[self.peer_id])
+            verifier = auth.Verifier(self.settings.swarm_token, audiences=[self.peer_id], keys=self.peer_key)
             interceptors = [auth.ServerAuth(verifier), limits.ServerLimits()]
         self._server = grpc.aio.server(options=GRPC_OPTIONS + limits.SERVER_OPTIONS, interceptors=interceptors)
         wgrpc.add_StageServicer_to_server(StageService(self), self._server)
@@ -629,7 +641,8 @@ class PeerDaemon:
         from swarm.wire import tensor_to_pb
 
         state = await self.run_compute(self.runner.state_dict)
-        chunk = cpb.StateChunk(peer_id=self.peer_id, stage=self.assignment.stage)
+        a = self.assignment  # the block is named, so the coordinator can check it is ours (coordinator/call_checks.py)
+        chunk = cpb.StateChunk(peer_id=self.peer_id, stage=a.stage, layer_start=a.layer_start, layer_end=a.layer_end)
         for name, tensor in state.items():
             chunk.tensors.add(name=name, tensor=tensor_to_pb(tensor.float(), "fp32"))
 
@@ -735,7 +748,7 @@ class PeerDaemon:
         if not pin:
             return self.channel(target, peer)
         token = self.settings.swarm_token
-        interceptors = auth.client_interceptors(token, self.peer_id, peer) if token else None
+        interceptors = auth.client_interceptors(token, self.peer_id, peer, signer=self.signing_key) if token else None
         channel = await tls.dial_pinned(
             target, pin, options=GRPC_OPTIONS, interceptors=interceptors, timeout=self.settings.link_timeout
         )

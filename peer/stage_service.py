@@ -2,7 +2,8 @@
 
 Every refusal is a gRPC status with a reason a human can act on: a stranger that sends garbage gets
 INVALID_ARGUMENT, a peer from another run or protocol FAILED_PRECONDITION, a peer we were not told
-about PERMISSION_DENIED. The server keeps serving whatever one stream did.
+about PERMISSION_DENIED, and so does a token holder that names a neighbour whose key it does not hold
+(swarm/identity.py). The server keeps serving whatever one stream did.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from peer.averaging import AverageRefused
-from swarm.auth import authenticated_peer
 from swarm.config import PROTOCOL_VERSION
+from swarm.identity import IdentityError, check_caller
 from swarm.messages import assignment_neighbours as neighbours
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.stage_runner import StageInputError
@@ -27,6 +28,17 @@ if TYPE_CHECKING:
     from peer.daemon import PeerDaemon
 
 log = logging.getLogger(__name__)
+
+
+def impostor(daemon: PeerDaemon, context: grpc.aio.ServicerContext, claimed: str) -> str | None:
+    """Why the caller is not ``claimed`` (None: it is, or the swarm is open and nobody is authenticated)."""
+    if not daemon.settings.swarm_token:
+        return None
+    try:
+        check_caller(context, claimed, daemon.peer_key(claimed))
+    except IdentityError as e:
+        return str(e)
+    return None
 
 
 class StageService(wgrpc.StageServicer):
@@ -42,14 +54,6 @@ class StageService(wgrpc.StageServicer):
             await fail_server_stream(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         except (LinkClosed, TimeoutError):
-            return
-        proven = authenticated_peer(context)
-        if proven is not None and proven != hello.peer_id:
-            await fail_server_stream(
-                context,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the call is signed by {proven!r} but its hello claims {hello.peer_id!r}",
-            )
             return
         if hello.protocol_version != PROTOCOL_VERSION:
             await fail_server_stream(
@@ -81,6 +85,10 @@ class StageService(wgrpc.StageServicer):
                 f"({', '.join(sorted(ups)) or 'none'})"
                 + (f" nor a downstream one ({', '.join(sorted(downs))})" if a.accept_downstream else ""),
             )
+            return
+        refusal = impostor(d, context, hello.peer_id)  # the plan names the neighbour; its key says who calls
+        if refusal is not None:
+            await fail_server_stream(context, grpc.StatusCode.PERMISSION_DENIED, refusal)
             return
         link.name = f"{d.peer_id}<-{hello.peer_id}"
         link.bound_packets(d.bounds.max_packet_bytes)
@@ -118,10 +126,10 @@ class StageService(wgrpc.StageServicer):
     async def Average(self, request, context: grpc.aio.ServicerContext):  # noqa: N802 - gRPC name
         """A replica of our block sends its parameter change; answer with the round's agreed average."""
         d = self.daemon
-        proven = authenticated_peer(context)
         sender = request.peer_id
-        if proven is not None and proven != sender:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"signed by {proven!r} but claims {sender!r}")
+        refusal = impostor(d, context, sender)  # the group then checks it is a replica of this block
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         group = d.group
         if group is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this peer holds no replicated block")

@@ -7,16 +7,20 @@ the swarm's *join token* (a 256-bit secret printed in the join command):
     ravn-peer  = the caller's peer id          ravn-aud   = whom the proof is for (peer id, "coordinator")
     ravn-ts    = unix time in milliseconds     ravn-nonce = 16 random bytes, base64url
     ravn-mac   = base64url(HMAC-SHA256(K, "ravn-auth-v1" | method | aud | peer | ts | nonce))
+    ravn-key   = the caller's Ed25519 public key (the key of its DHT record)
+    ravn-sig   = its signature of the same fields (:mod:`swarm.identity`)
 
 ``K`` is derived from the token (never the token itself), so a proof reveals nothing usable about it.
 The server checks the fields, the clock window, the MAC (constant time), then the nonce against a
 bounded cache: a captured proof cannot be replayed to the same server (nonce), to another method
 (method in the MAC), to another server (audience in the MAC) or later (timestamp window).
 
-What this does not do: tell members apart. Everyone holding the token can claim any peer id, so the
-peer id in a proof is a claim for logs and limits, not an identity (see docs/security.md). Without TLS
-an eavesdropper learns nothing about the token but can read the traffic; an active man in the middle
-can hijack an authenticated stream. Use :mod:`swarm.tls` against that.
+The token proves membership; the signature tells members apart. A server given the plan's keys
+(``Verifier(keys=...)``) refuses a call that names a planned peer but is signed by another key, and
+accounts nonces per pinned member (:mod:`swarm.nonces`), so one member's proofs never refuse another's.
+Handlers that act on a peer named in the request check the caller with :func:`swarm.identity.check_caller`.
+Without TLS an eavesdropper learns nothing about the token but can read the traffic; an active man in
+the middle can hijack an authenticated stream. Use :mod:`swarm.tls` against that.
 
 Client side: grpc only attaches call credentials on secure channels, so the proof is added by grpc.aio
 client interceptors (:func:`client_interceptors`), which work on insecure and TLS channels alike and
@@ -34,17 +38,20 @@ import os
 import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarm.identity import META_KEY, META_SIG, CallSigner
+from swarm.identity import verify as verify_signature
+from swarm.nonces import DEFAULT_NONCE_CACHE, NonceBook
 
 TOKEN_PREFIX = "ravn1-"
 TOKEN_BYTES = 32
 DEFAULT_SKEW_S = 300.0  # home PCs' clocks drift; NTP keeps them well inside this
-DEFAULT_NONCE_CACHE = 65536  # proofs remembered within the window (about 2 MiB at most)
 NONCE_BYTES = 16
 
 META_PEER = "ravn-peer"
@@ -52,7 +59,7 @@ META_AUDIENCE = "ravn-aud"
 META_TS = "ravn-ts"
 META_NONCE = "ravn-nonce"
 META_MAC = "ravn-mac"
-META_KEYS = (META_PEER, META_AUDIENCE, META_TS, META_NONCE, META_MAC)
+META_KEYS = (META_PEER, META_AUDIENCE, META_TS, META_NONCE, META_MAC, META_KEY, META_SIG)
 COORDINATOR_AUDIENCE = "coordinator"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the PeerId pattern of swarm.dht_schema
@@ -65,6 +72,14 @@ _FINGERPRINT_CONTEXT = b"ravn/grpc-auth/v1 fingerprint"
 
 class AuthError(Exception):
     """A call whose proof is missing or invalid; the text is safe to send back to the caller."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class NotThatPeer(AuthError):
+    """A valid member's proof that names a planned peer whose key it does not hold."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 def _b64(data: bytes) -> str:
@@ -121,18 +136,16 @@ class SwarmKey:
         return cls(key=key, fingerprint=fp)
 
     def mac(self, method: str, audience: str, peer_id: str, ts_ms: int, nonce: str) -> str:
-        fields = (
-            _MAC_CONTEXT,
-            method.encode(),
-            audience.encode(),
-            peer_id.encode(),
-            str(ts_ms).encode(),
-            nonce.encode(),
-        )
-        return _b64(hmac.new(self.key, b"\n".join(fields), hashlib.sha256).digest())
+        body = proof_body(method, audience, peer_id, ts_ms, nonce)
+        return _b64(hmac.new(self.key, _MAC_CONTEXT + b"\n" + body, hashlib.sha256).digest())
 
     def __repr__(self) -> str:  # never print the key
         return f"SwarmKey(fingerprint={self.fingerprint!r})"
+
+
+def proof_body(method: str, audience: str, peer_id: str, ts_ms: int, nonce: str) -> bytes:
+    """The fields a proof vouches for: the token's MAC and the caller's signature both cover them."""
+    return b"\n".join((method.encode(), audience.encode(), peer_id.encode(), str(ts_ms).encode(), nonce.encode()))
 
 
 def _check_name(kind: str, value: str) -> str:
@@ -151,67 +164,30 @@ def proof_metadata(
     audience: str,
     method: str | bytes,
     *,
+    signer: CallSigner,
     now: float | None = None,
     nonce: str | None = None,
 ) -> tuple[tuple[str, str], ...]:
-    """The metadata that proves one call (``method`` is the full gRPC path, ``/pkg.Service/Method``)."""
+    """The metadata that proves one call (``method`` is the full gRPC path, ``/pkg.Service/Method``),
+    signed with the caller's own key."""
     _check_name("peer id", peer_id)
     _check_name("audience", audience)
     ts_ms = int((time.time() if now is None else now) * 1000)
     nonce = nonce or _b64(secrets.token_bytes(NONCE_BYTES))
-    mac = key.mac(_method_str(method), audience, peer_id, ts_ms, nonce)
+    method = _method_str(method)
+    mac = key.mac(method, audience, peer_id, ts_ms, nonce)
     return (
         (META_PEER, peer_id),
         (META_AUDIENCE, audience),
         (META_TS, str(ts_ms)),
         (META_NONCE, nonce),
         (META_MAC, mac),
+        *signer.metadata(proof_body(method, audience, peer_id, ts_ms, nonce)),
     )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Server side: verification.
-
-
-class NonceCache:
-    """Nonces of accepted proofs, kept as long as a replay could still pass the clock window.
-
-    A nonce accepted at local time ``t`` can only be replayed while its timestamp is in the window,
-    i.e. until ``t + 2 * skew``; it is kept exactly that long. The cache is bounded: when full, the
-    oldest entry is evicted and its timestamp becomes a *floor*: proofs stamped at or before the floor
-    are refused, so an evicted nonce can never be replayed. Under a flood of valid proofs (only token
-    holders can make them: the MAC is checked first) honest callers at worst retry with a fresh stamp.
-    """
-
-    def __init__(self, skew_s: float, capacity: int = DEFAULT_NONCE_CACHE) -> None:
-        if capacity < 1:
-            raise ValueError("nonce cache capacity must be at least 1")
-        self.hold_s = 2.0 * skew_s
-        self.capacity = capacity
-        self.floor_ms = -1
-        self._seen: OrderedDict[str, tuple[float, int]] = OrderedDict()  # nonce -> (expiry, ts_ms)
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def add(self, nonce: str, ts_ms: int, now: float) -> str | None:
-        """Record ``nonce``; returns why it must be refused, or None when it is fresh."""
-        while self._seen:
-            first = next(iter(self._seen.values()))
-            if first[0] > now:
-                break
-            self._seen.popitem(last=False)
-        if nonce in self._seen:
-            return "replayed proof: this nonce was already used"
-        if ts_ms <= self.floor_ms:
-            return "proof is older than the replay cache can vouch for (server under load); retry"
-        if len(self._seen) >= self.capacity:
-            _, (_, evicted_ts) = self._seen.popitem(last=False)
-            self.floor_ms = max(self.floor_ms, evicted_ts)
-            if ts_ms <= self.floor_ms:
-                return "proof is older than the replay cache can vouch for (server under load); retry"
-        self._seen[nonce] = (now + self.hold_s, ts_ms)
-        return None
 
 
 def _metadata_dict(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
@@ -230,26 +206,32 @@ def _metadata_dict(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[s
 
 
 class Verifier:
-    """Checks proofs for one server. ``audiences``: names this server answers to (None: any)."""
+    """Checks proofs for one server. ``audiences``: names this server answers to (None: any).
+
+    ``keys``: the public key the current plan pins for a peer id (None: not planned). A call naming a
+    planned peer must be signed by that peer's key, and its nonces are accounted to that peer alone.
+    """
 
     def __init__(
         self,
         token: str,
         *,
         audiences: Iterable[str] | None = None,
+        keys: Callable[[str], str | None] | None = None,
         skew_s: float = DEFAULT_SKEW_S,
         nonce_capacity: int = DEFAULT_NONCE_CACHE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.key = SwarmKey.from_token(token)
         self.audiences = None if audiences is None else frozenset(_check_name("audience", a) for a in audiences)
+        self.keys = keys or (lambda _peer: None)
         self.skew_s = skew_s
         self.clock = clock
-        self.nonces = NonceCache(skew_s, nonce_capacity)
+        self.nonces = NonceBook(skew_s, nonce_capacity)
         self.refused = 0
 
     def verify(self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str | bytes) -> str:
-        """The caller's (claimed) peer id if the proof is valid; AuthError with the reason otherwise."""
+        """The caller's peer id if the proof is valid (an identity where the plan pins it); AuthError otherwise."""
         try:
             return self._verify(_metadata_dict(metadata), _method_str(method))
         except AuthError:
@@ -265,7 +247,7 @@ class Verifier:
             )
         if missing:
             raise AuthError(f"incomplete swarm auth proof: missing {', '.join(missing)}")
-        peer, audience, ts_text, nonce, mac = (meta[k] for k in META_KEYS)
+        peer, audience, ts_text, nonce, mac, public_key, signature = (meta[k] for k in META_KEYS)
         if not _NAME_RE.fullmatch(peer) or not _NAME_RE.fullmatch(audience):
             raise AuthError("malformed peer id or audience in the auth proof")
         if not _TS_RE.fullmatch(ts_text) or not _B64_RE.fullmatch(nonce) or not 16 <= len(nonce) <= 64:
@@ -287,14 +269,22 @@ class Verifier:
             )
         if self.audiences is not None and audience not in self.audiences:
             raise AuthError(f"proof is addressed to {audience!r}, not to this server")
-        reason = self.nonces.add(nonce, ts_ms, now)
+        try:
+            verify_signature(public_key, signature, proof_body(method, audience, peer, ts_ms, nonce))
+        except ValueError as e:
+            raise AuthError(str(e)) from None
+        pinned = self.keys(peer)
+        if pinned is not None and pinned != public_key:
+            raise NotThatPeer(f"the call claims peer {peer!r} but is not signed by the key that peer announced")
+        reason = self.nonces.add(f"{peer} {public_key}" if pinned else None, nonce, ts_ms, now)
         if reason is not None:
             raise AuthError(reason)
         return peer
 
 
 def peer_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The ``ravn-peer`` value of call metadata. Verified only when the server runs :class:`ServerAuth`."""
+    """The ``ravn-peer`` value of call metadata. Verified only when the server runs :class:`ServerAuth`,
+    and an identity only where the plan pins that peer's key (see :func:`swarm.identity.check_caller`)."""
     for item in metadata or ():
         if item[0] == META_PEER and isinstance(item[1], str):
             return item[1]
@@ -346,7 +336,7 @@ class ServerAuth(grpc.aio.ServerInterceptor):
         try:
             self.verifier.verify(handler_call_details.invocation_metadata, handler_call_details.method)
         except AuthError as e:
-            return deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED, str(e))
+            return deny_handler(handler, e.code, str(e))
         return handler
 
 
@@ -365,16 +355,26 @@ class ClientAuth:
     """
 
     def __init__(
-        self, token: str | SwarmKey, peer_id: str, audience: str, clock: Callable[[], float] = time.time
+        self,
+        token: str | SwarmKey,
+        peer_id: str,
+        audience: str,
+        clock: Callable[[], float] = time.time,
+        *,
+        signer: Ed25519PrivateKey,
     ) -> None:
         self.key = token if isinstance(token, SwarmKey) else SwarmKey.from_token(token)
         self.peer_id = _check_name("peer id", peer_id)
         self.audience = _check_name("audience", audience)
         self.clock = clock
+        self.signer = CallSigner(signer)
+
+    def proof(self, method: str | bytes) -> tuple[tuple[str, str], ...]:
+        return proof_metadata(self.key, self.peer_id, self.audience, method, signer=self.signer, now=self.clock())
 
     def details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         """``details`` with this call's proof in its metadata (any stale proof keys replaced)."""
-        proof = proof_metadata(self.key, self.peer_id, self.audience, details.method, now=self.clock())
+        proof = self.proof(details.method)
         kept = [(k, v) for k, v in (details.metadata or ()) if k not in META_KEYS]
         return details._replace(metadata=grpc.aio.Metadata(*kept, *proof))
 
@@ -383,10 +383,15 @@ class ClientAuth:
 
 
 def client_interceptors(
-    token: str | SwarmKey, peer_id: str, audience: str, clock: Callable[[], float] = time.time
+    token: str | SwarmKey,
+    peer_id: str,
+    audience: str,
+    clock: Callable[[], float] = time.time,
+    *,
+    signer: Ed25519PrivateKey,
 ) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that add a proof to every call of a channel to ``audience``."""
-    return ClientAuth(token, peer_id, audience, clock).interceptors()
+    """Interceptors that add a proof, signed with ``signer`` (the peer's record key), to every call to ``audience``."""
+    return ClientAuth(token, peer_id, audience, clock, signer=signer).interceptors()
 
 
 class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
@@ -437,9 +442,7 @@ class SyncClientAuth(
         self.prover = prover
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        proof = proof_metadata(
-            self.prover.key, self.prover.peer_id, self.prover.audience, details.method, now=self.prover.clock()
-        )
+        proof = self.prover.proof(details.method)
         kept = [(k, v) for k, v in (details.metadata or ()) if k not in META_KEYS]
         return _SyncCallDetails(
             details.method,
@@ -473,8 +476,12 @@ class _SyncCallDetails(
 
 
 def sync_channel(channel: grpc.Channel, token: str | SwarmKey, peer_id: str, audience: str) -> grpc.Channel:
-    """``channel`` (synchronous API) with a fresh proof on every call."""
-    return grpc.intercept_channel(channel, SyncClientAuth(ClientAuth(token, peer_id, audience)))
+    """``channel`` (synchronous API) with a fresh proof on every call, signed with a throwaway key.
+
+    Its user (``ravn status``) is no member: no plan pins its key, so it is served only by calls that
+    name no peer (Status)."""
+    prover = ClientAuth(token, peer_id, audience, signer=Ed25519PrivateKey.generate())
+    return grpc.intercept_channel(channel, SyncClientAuth(prover))
 
 
 def load_or_create_token(path: Path) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: every call is signed with the caller's record key (swarm/identity.py)
 SCHEDULES = ("sync", "async")
 
 

@@ -36,6 +36,7 @@ VersionText = Annotated[str, Field(pattern=r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,31}$"
 NonNegativeFloat = Annotated[float, Field(ge=0.0, le=1e12, allow_inf_nan=False)]
 Timestamp = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False)]  # unix seconds, DHT clock
 LayerIndex = Annotated[int, Field(ge=0, le=MAX_LAYERS)]
+PublicKey = Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{43}=)?$")]  # Ed25519, base64; "" unsigned
 TlsFingerprint = Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64})?$")]  # "" when the peer serves in clear
 
 PeerState = Literal["joining", "online", "leaving"]
@@ -105,7 +106,7 @@ class PeerRecord(_Strict):
     reachable: bool | None = None  # None: not (yet) checked from outside
     timestamp: Timestamp  # when the record was announced (set by announce_peer)
     tls_fingerprint: TlsFingerprint = ""  # of the certificate its Stage service presents (swarm/tls.py)
-    public_key: Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{43}=)?$")] = ""  # Ed25519, base64
+    public_key: PublicKey = ""  # Ed25519, base64
     signature: Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{86}==)?$")] = ""  # swarm/record_signing.py
 
     @field_validator("endpoint")
@@ -123,6 +124,7 @@ class PlanPeer(_Strict):
     endpoint: Multiaddress
     reachable: bool = True  # False: behind NAT; its neighbours wait for it to dial them
     tls_fingerprint: TlsFingerprint = ""  # set: its Stage service speaks TLS with exactly this certificate
+    public_key: PublicKey = ""  # of its signed record: only its holder may call in this peer's name
 
     @field_validator("endpoint")
     @classmethod

@@ -13,8 +13,9 @@ that names the limit, so an honest operator who hits one knows which knob it was
 * :func:`check_elements` / :func:`stage_limits` bound tensor sizes from the stage's own assignment,
   for use before a codec decodes anything.
 
-A "sender" is the peer id proven by :mod:`swarm.auth` when auth is on (token holders can still claim
-several ids, which the total cap bounds), else the remote IP address.
+A "sender" is the peer id of a verified proof with the key that signed it when auth is on (a planned
+peer's id only its key holder can use; a token holder can still mint unplanned ids and keys, which the
+total cap bounds), else the remote IP address.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from swarm.auth import authenticated_peer, deny_handler
+from swarm.identity import caller_key
 from swarm.pb import wire_pb2 as pb
 from swarm.transport import MAX_GRPC_MESSAGE
 from swarm.wire import DEFAULT_MAX_ELEMENTS, MAX_DIMS, MAX_FRAME_BYTES, WireError
@@ -268,8 +270,8 @@ class LimitSettings:
 def sender_key(context: grpc.aio.ServicerContext) -> str:
     """Who to charge: the peer id of a verified proof (behind ServerAuth), else the remote address."""
     peer = authenticated_peer(context)
-    if peer:
-        return f"peer:{peer}"
+    if peer:  # with the key that signed it: a name only its key holder shares (swarm/identity.py)
+        return f"peer:{peer}:{caller_key(context) or ''}"
     remote = context.peer() or "unknown"  # "ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"
     host = remote.split(":", 1)[-1].rsplit(":", 1)[0]
     return f"addr:{host}"

@@ -9,17 +9,26 @@ import time
 import grpc
 import pytest
 
-from swarm import auth
+from swarm import auth, identity
+from swarm.identity import CallSigner
+from swarm.nonces import NonceCache
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.record_signing import new_key
 from tests.security_helpers import link_roundtrip, serve
 
 TOKEN = auth.generate_token()
 OTHER = auth.generate_token()
 LINK = "/ravn.wire.Stage/Link"
 PROBE = "/ravn.control.Control/Probe"
+KEY = new_key()  # this test process's record key
+SIGNER = CallSigner(KEY)
+
+
+def interceptors(token: str, peer: str, aud: str, **kw) -> list:
+    return auth.client_interceptors(token, peer, aud, signer=KEY, **kw)
 
 
 # ---- token and verifier, no network ---------------------------------------------------------------
@@ -45,7 +54,8 @@ def verifier(**kw) -> auth.Verifier:
 
 
 def proof(token: str = TOKEN, *, peer: str = "peer-a", aud: str = "peer-b", method: str = LINK, **kw):
-    return auth.proof_metadata(auth.SwarmKey.from_token(token), peer, aud, method, **kw)
+    signer = kw.pop("signer", SIGNER)
+    return auth.proof_metadata(auth.SwarmKey.from_token(token), peer, aud, method, signer=signer, **kw)
 
 
 def refused(v: auth.Verifier, metadata, method: str = LINK) -> str:
@@ -65,7 +75,8 @@ def test_verifier_accepts_a_valid_proof_once() -> None:
 def test_verifier_refusals_say_why() -> None:
     v = verifier(audiences=["peer-b"])
     assert "requires a join token" in refused(v, ())
-    assert "missing ravn-mac" in refused(v, proof()[:-1])
+    assert "missing ravn-sig" in refused(v, proof()[:-1])
+    assert "missing ravn-mac, ravn-key" in refused(v, [(k, x) for k, x in proof() if k not in ("ravn-mac", "ravn-key")])
     assert "wrong join token" in refused(v, proof(OTHER))
     assert "wrong join token" in refused(v, proof(method=PROBE))  # a proof is bound to its method
     assert "not to this server" in refused(v, proof(aud="peer-c"))
@@ -78,11 +89,26 @@ def test_verifier_refusals_say_why() -> None:
     for key, value in [(auth.META_TS, "12a"), (auth.META_NONCE, "short"), (auth.META_MAC, "x" * 43 + "=")]:
         bad = [(k, value) if k == key else (k, val) for k, val in proof()]
         assert "malformed" in refused(v, bad)
-    assert v.refused == 12
+    other = dict(proof(signer=CallSigner(new_key())))
+    forged = [(k, other[k]) if k == identity.META_SIG else (k, x) for k, x in proof()]
+    assert "does not verify" in refused(v, forged)  # a signature of other fields (or by another key)
+    swapped = [(k, other[k]) if k == identity.META_KEY else (k, x) for k, x in proof()]
+    assert "does not verify" in refused(v, swapped)  # our signature presented under another key
+    assert v.refused == 15
+
+
+def test_a_planned_peer_id_is_only_served_to_the_holder_of_its_key() -> None:
+    """The signature turns the peer id into an identity where the plan pins that peer's key."""
+    v = verifier(audiences=["peer-b"], keys={"peer-a": SIGNER.public_key}.get)
+    assert v.verify(proof(), LINK) == "peer-a"
+    with pytest.raises(auth.NotThatPeer, match="not signed by the key that peer announced") as e:
+        v.verify(proof(signer=CallSigner(new_key())), LINK)  # a token holder with its own key, claiming peer-a
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert v.verify(proof(peer="peer-x", signer=CallSigner(new_key())), LINK) == "peer-x"  # unplanned: any key
 
 
 def test_nonce_cache_expires_and_its_bound_cannot_be_used_to_replay() -> None:
-    cache = auth.NonceCache(skew_s=10, capacity=3)
+    cache = NonceCache(skew_s=10, capacity=3)
     assert cache.add("n1", 1000, now=1.0) is None
     assert cache.add("n1", 1000, now=2.0) is not None
     assert cache.add("n1", 1000, now=22.0) is None  # after 2 * skew the stamp alone refuses a replay
@@ -96,9 +122,9 @@ def test_nonce_cache_expires_and_its_bound_cannot_be_used_to_replay() -> None:
 
 def test_client_auth_rejects_names_that_cannot_travel_as_metadata() -> None:
     with pytest.raises(ValueError, match="peer id"):
-        auth.ClientAuth(TOKEN, "bad id\n", "peer-b")
+        auth.ClientAuth(TOKEN, "bad id\n", "peer-b", signer=KEY)
     with pytest.raises(ValueError, match="audience"):
-        auth.ClientAuth(TOKEN, "peer-a", "")
+        auth.ClientAuth(TOKEN, "peer-a", "", signer=KEY)
 
 
 # ---- real servers -----------------------------------------------------------------------------------
@@ -152,13 +178,13 @@ def test_calls_without_valid_proof_get_unauthenticated_and_never_reach_the_handl
             unauth = {k: grpc.StatusCode.UNAUTHENTICATED for k in ("unary", "server-stream", "client-stream", "bidi")}
             async with grpc.aio.insecure_channel(target) as ch:  # no proof at all
                 assert await call_all_shapes(ch) == unauth
-            wrong = auth.client_interceptors(OTHER, "peer-a", "peer-b")
+            wrong = interceptors(OTHER, "peer-a", "peer-b")
             async with grpc.aio.insecure_channel(target, interceptors=wrong) as ch:
                 assert await call_all_shapes(ch) == unauth
-            stale = auth.client_interceptors(TOKEN, "peer-a", "peer-b", clock=lambda: time.time() - 3600)
+            stale = interceptors(TOKEN, "peer-a", "peer-b", clock=lambda: time.time() - 3600)
             async with grpc.aio.insecure_channel(target, interceptors=stale) as ch:
                 assert await call_all_shapes(ch) == unauth
-            elsewhere = auth.client_interceptors(TOKEN, "peer-a", "peer-c")
+            elsewhere = interceptors(TOKEN, "peer-a", "peer-c")
             async with grpc.aio.insecure_channel(target, interceptors=elsewhere) as ch:
                 assert await call_all_shapes(ch) == unauth
             assert stage.calls == 0 and control.calls == 0
@@ -171,7 +197,7 @@ def test_valid_proofs_pass_for_every_call_shape_and_link_keeps_write_read() -> N
     async def scenario() -> None:
         v = auth.Verifier(TOKEN, audiences=["peer-b"])
         async with serve(interceptors=[auth.ServerAuth(v)]) as (target, stage, control):
-            good = auth.client_interceptors(TOKEN, "peer-a", "peer-b")
+            good = interceptors(TOKEN, "peer-a", "peer-b")
             async with grpc.aio.insecure_channel(target, interceptors=good) as ch:
                 codes = await call_all_shapes(ch)
                 assert set(codes.values()) == {grpc.StatusCode.OK}, codes
@@ -190,7 +216,7 @@ def test_replayed_and_cross_method_proofs_are_refused_on_a_live_server() -> None
         v = auth.Verifier(TOKEN)
         async with serve(interceptors=[auth.ServerAuth(v)]) as (target, stage, control):
             key = auth.SwarmKey.from_token(TOKEN)
-            captured = auth.proof_metadata(key, "peer-a", "peer-b", PROBE)
+            captured = auth.proof_metadata(key, "peer-a", "peer-b", PROBE, signer=SIGNER)
             async with grpc.aio.insecure_channel(target) as ch:
                 stub = cgrpc.ControlStub(ch)
                 assert (await stub.Probe(cpb.ProbeRequest(payload=b"x"), metadata=captured)).payload == b"x"
@@ -198,11 +224,11 @@ def test_replayed_and_cross_method_proofs_are_refused_on_a_live_server() -> None
                     await stub.Probe(cpb.ProbeRequest(payload=b"x"), metadata=captured)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in e.value.details()
                 # the same proof presented for the bidi stream: bound to Probe, so refused
-                fresh = auth.proof_metadata(key, "peer-a", "peer-b", PROBE)
+                fresh = auth.proof_metadata(key, "peer-a", "peer-b", PROBE, signer=SIGNER)
                 codes = await call_all_shapes(ch, metadata=fresh)
                 assert codes["bidi"] == grpc.StatusCode.UNAUTHENTICATED
                 # a replayed bidi proof
-                link_proof = auth.proof_metadata(key, "peer-a", "peer-b", LINK)
+                link_proof = auth.proof_metadata(key, "peer-a", "peer-b", LINK, signer=SIGNER)
                 call = wgrpc.StageStub(ch).Link(metadata=link_proof)
                 await call.write(pb.Frame(packet_id=1, last=True))
                 assert (await call.read()).packet_id == 1
@@ -234,8 +260,8 @@ def test_exempt_methods_and_authenticated_peer() -> None:
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 await cgrpc.ControlStub(ch).Probe(cpb.ProbeRequest())
-            interceptors = auth.client_interceptors(TOKEN, "peer-7", "coordinator")
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=interceptors) as ch:
+            proving = interceptors(TOKEN, "peer-7", "coordinator")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=proving) as ch:
                 await cgrpc.ControlStub(ch).Probe(cpb.ProbeRequest())
         finally:
             await server.stop(None)

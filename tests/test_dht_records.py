@@ -440,7 +440,13 @@ def test_signed_plan_is_accepted(nodes: Nodes, coordinator_key) -> None:
     assert plan is not None
     assert (plan["swarm"], plan["run_id"], plan["version"]) == ("plan-ok", "run-1", 3)
     assert plan["stages"][1]["peers"] == [
-        {"peer_id": "peer-b", "endpoint": "/dns/b.example/tcp/2", "reachable": True, "tls_fingerprint": ""}
+        {
+            "peer_id": "peer-b",
+            "endpoint": "/dns/b.example/tcp/2",
+            "reachable": True,
+            "tls_fingerprint": "",
+            "public_key": "",  # no key in the record: nobody may call in peer-b's name
+        }
     ]
     assert fetch_plan(nodes.peer, "plan-ok", pinned, min_version=4) is None  # no rollback
     assert fetch_plan(nodes.peer, "other-swarm", pinned) is None

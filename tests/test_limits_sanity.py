@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from swarm import auth, limits, sanity
+from swarm.identity import public_key_text
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.record_signing import new_key
 from swarm.wire import WireError
 from tests.security_helpers import serve
 
@@ -170,11 +172,13 @@ def test_limits_behind_auth_charge_the_proven_peer_and_wrap_async_generators() -
         seen.append(limits.sender_key(context))
         return seen[-1]
 
+    signer = new_key()
+
     async def scenario() -> None:
         interceptors = [auth.ServerAuth(auth.Verifier(token)), limits.ServerLimits(key=key)]
         async with serve(interceptors=interceptors) as (target, _, control):
             async with grpc.aio.insecure_channel(
-                target, interceptors=auth.client_interceptors(token, "peer-9", "x")
+                target, interceptors=auth.client_interceptors(token, "peer-9", "x", signer=signer)
             ) as ch:
                 commands = [c async for c in cgrpc.ControlStub(ch).Join(cpb.JoinRequest(peer_id="p"))]
                 assert [c.shutdown.reason for c in commands] == ["p-0", "p-1", "p-2"]
@@ -184,7 +188,8 @@ def test_limits_behind_auth_charge_the_proven_peer_and_wrap_async_generators() -
                         yield pb.Frame(packet_id=i, data=b"x", total_size=1, last=True)
 
                 assert (await cgrpc.ControlStub(ch).UploadState(frames())).tensors == 3
-        assert seen == ["peer:peer-9", "peer:peer-9"]
+        charged = f"peer:peer-9:{public_key_text(signer)}"  # the name with the key that signed it
+        assert seen == [charged, charged]
 
     run(scenario())
 

@@ -11,6 +11,7 @@ import pytest
 from swarm import auth, tls
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.record_signing import new_key
 from tests.security_helpers import link_roundtrip, serve
 
 ID_A = tls.generate_self_signed()
@@ -55,9 +56,8 @@ def test_pinned_channel_works_for_unary_and_bidi_and_with_auth() -> None:
         interceptors = [auth.ServerAuth(auth.Verifier(token))]
         async with serve(add_port=lambda s, a: add_port(s, a), interceptors=interceptors) as (target, stage, _):
             assert await tls.fetch_certificate(target) == ID_A.cert_pem
-            channel = await tls.dial_pinned(
-                target, ID_A.fingerprint, interceptors=auth.client_interceptors(token, "peer-a", "peer-b")
-            )
+            proving = auth.client_interceptors(token, "peer-a", "peer-b", signer=new_key())
+            channel = await tls.dial_pinned(target, ID_A.fingerprint, interceptors=proving)
             async with channel:
                 assert (await cgrpc.ControlStub(channel).Probe(cpb.ProbeRequest(payload=b"ab"))).payload == b"ba"
                 assert len(await link_roundtrip(channel, n=4)) == 4
