@@ -1,6 +1,6 @@
 """A real peer daemon serving one fixed assignment, without a coordinator or DHT.
 
-Run as ``python -m tests.lone_peer TOKEN``: it holds the last stage of a 2-stage gpt-tiny (upstream
+Run as ``python -m tests.lone_peer TOKEN UPSTREAM_KEY``: it holds the last stage of a 2-stage gpt-tiny (upstream
 neighbour "upstream"), serves its Stage.Link with the same auth and limit interceptors as ``ravn-peer``
 (the daemon's own ``start_server``), prints ``serving <host:port>`` and runs until terminated. Tests use
 it to send hostile input to a separate OS process and read that process's memory from /proc.
@@ -37,8 +37,9 @@ def assignment() -> cpb.Assignment:
     )
 
 
-async def main(token: str) -> None:
+async def main(token: str, upstream_key: str) -> None:
     daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu", swarm_token=token))
+    daemon.peer_key = {"upstream": upstream_key}.get  # the key a signed plan would pin for the upstream
     endpoint = await daemon.start_server()
     await daemon._on_assign(assignment())
     stop = asyncio.Event()
@@ -52,4 +53,4 @@ async def main(token: str) -> None:
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main(sys.argv[1]))
+        asyncio.run(main(sys.argv[1], sys.argv[2]))

@@ -21,6 +21,7 @@ from coordinator.swarm_run import PeerSession, RunSettings, SwarmRun
 from peer.daemon import PeerDaemon, PeerSettings
 from swarm.checkpoint import state_digest
 from swarm.config import MODEL_PRESETS, TrainConfig
+from swarm.model import StageModel
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.wire import split_packet, tensor_to_pb
@@ -30,8 +31,10 @@ from tests.test_recovery import peer_pid
 
 
 def chunk(epoch: int, version: int) -> cpb.StateChunk:
+    """The whole of gpt-tiny as one block's checkpoint (the coordinator checks it against the block)."""
     c = cpb.StateChunk(peer_id="p0", version=version, layer_start=0, layer_end=3, periodic=True, epoch=epoch)
-    c.tensors.add(name="layers.0.w", tensor=tensor_to_pb(torch.ones(4), "fp32"))
+    for name, t in StageModel(MODEL_PRESETS["gpt-tiny"], 0, 3).state_dict().items():
+        c.tensors.add(name=name, tensor=tensor_to_pb(t, "fp32"))
     return c
 
 
@@ -41,6 +44,7 @@ def test_the_coordinator_refuses_a_checkpoint_of_a_plan_it_has_left(tmp_path: Pa
     )
     run = SwarmRun(settings, SimpleNamespace(s=SimpleNamespace(heartbeat=1.0)))
     run.sessions["p0"] = PeerSession("p0", "/ip4/127.0.0.1/tcp/1", "cpu", 0, stage=0)
+    run.planned["p0"] = (0, 3, "/ip4/127.0.0.1/tcp/1")  # p0 holds the whole model, so its uploads are its own
 
     async def scenario() -> None:
         port = await run.start_server()

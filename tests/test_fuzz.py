@@ -46,12 +46,14 @@ from peer.compute import BACKWARD
 from peer.daemon import PeerDaemon, PeerSettings
 from swarm import auth
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
+from swarm.identity import public_key_text
 from swarm.limits import LimitSettings, TokenBucket
 from swarm.messages import model_to_pb, train_to_pb
 from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.record_signing import new_key
 from swarm.stage_runner import StageRunner
 from swarm.transport import hello_packet
 from swarm.wire import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
@@ -65,6 +67,7 @@ LINK = "/ravn.wire.Stage/Link"
 STREAM_TIMEOUT = float(os.environ.get("RAVN_FUZZ_STREAM_TIMEOUT", "30"))
 MIN_MESSAGES = 10_000
 TOKEN = auth.generate_token()
+UPSTREAM_KEY = new_key()  # the upstream member's record key, which the target's plan pins
 RSS_GROWTH_LIMIT_MB = 200
 POISON_ABS = 1e15  # finite activations beyond this poison the last stage's weights (xfail below)
 SEED = int(os.environ.get("RAVN_FUZZ_SEED", "1117"))
@@ -119,6 +122,7 @@ PACE = Pace(0.9 * LimitSettings().calls_per_s)
 
 async def start_peer() -> tuple[PeerDaemon, str]:
     daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu", swarm_token=TOKEN))
+    daemon.peer_key = {"upstream": public_key_text(UPSTREAM_KEY)}.get  # what a signed plan would pin
     endpoint = await daemon.start_server()
     await daemon._on_assign(assignment())
     return daemon, multiaddr_to_grpc_target(endpoint)
@@ -150,7 +154,8 @@ def good_packet(rng: random.Random, mb_id: int) -> pb.Packet:
 
 async def open_channel(target: str) -> grpc.aio.Channel:
     """A channel whose calls carry the upstream member's proofs, as a real neighbour's do."""
-    return grpc.aio.insecure_channel(target, interceptors=auth.client_interceptors(TOKEN, "upstream", "last"))
+    interceptors = auth.client_interceptors(TOKEN, "upstream", "last", signer=UPSTREAM_KEY)
+    return grpc.aio.insecure_channel(target, interceptors=interceptors)
 
 
 @contextlib.asynccontextmanager

@@ -19,10 +19,12 @@ import torch
 
 from swarm import auth
 from swarm.config import TrainConfig
+from swarm.identity import public_key_text
 from swarm.limits import LimitExceeded
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.receive_bounds import link_bounds
+from swarm.record_signing import new_key
 from swarm.wire import WireError, split_packet, tensor_to_pb
 from tests.swarm_procs import Proc, assert_all_gone
 from tests.test_fuzz import (
@@ -127,13 +129,14 @@ def peak_rss_mb(pid: int) -> float:
 def test_a_peer_process_does_not_allocate_for_a_huge_activation_claim() -> None:
     """Before the bounds, 68 MiB of int4 claiming 2^27 elements made the peer decode 512 MiB (peak RSS +512 MB)."""
     token = auth.generate_token()
-    proc = Proc([sys.executable, "-m", "tests.lone_peer", token])
+    upstream = new_key()
+    proc = Proc([sys.executable, "-m", "tests.lone_peer", token, public_key_text(upstream)])
     try:
         _, m = proc.wait_for(r"serving (\S+)", 120)
         target = m.group(1)
 
         async def main() -> tuple[grpc.StatusCode, str, torch.Tensor | None]:
-            interceptors = auth.client_interceptors(token, "upstream", "last")
+            interceptors = auth.client_interceptors(token, "upstream", "last", signer=upstream)
             async with grpc.aio.insecure_channel(target, interceptors=interceptors) as channel:
                 ok = await asyncio.wait_for(stream(channel, good_frames(1)), STREAM_TIMEOUT)  # warm up
                 assert ok[1] == grpc.StatusCode.OK, ok[1:3]

@@ -20,14 +20,17 @@ from coordinator.swarm_run import PeerSession, RunSettings, SwarmRun
 from coordinator.upload_checks import gpt_block_spec
 from swarm import auth
 from swarm.config import MODEL_PRESETS, TrainConfig
+from swarm.identity import public_key_text
 from swarm.model import StageModel
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
+from swarm.record_signing import new_key
 from swarm.wire import split_packet, tensor_to_pb
 
 CFG = MODEL_PRESETS["gpt-tiny"]
 TOKEN = auth.generate_token()
+KEYS = {"p0": new_key(), "p1": new_key()}  # each member's record key, pinned in the plan
 
 
 def make_run(tmp_path: Path) -> SwarmRun:
@@ -38,7 +41,9 @@ def make_run(tmp_path: Path) -> SwarmRun:
     for i, (name, block) in enumerate({"p0": (0, 1), "p1": (1, CFG.n_layers)}.items()):
         run.planned[name] = (*block, f"/ip4/127.0.0.1/tcp/{1000 + i}")
         run.sessions[name] = PeerSession(name, run.planned[name][2], "cpu", 0, stage=i)
+        run.public_keys[name] = public_key_text(KEYS[name])
     run._started = True
+    run._last_step = 5
     return run
 
 
@@ -81,7 +86,7 @@ def bad_chunks() -> dict[str, cpb.StateChunk]:
 async def coordinator(tmp_path: Path):
     run = make_run(tmp_path)
     port = await run.start_server()
-    interceptors = auth.client_interceptors(TOKEN, "p1", auth.COORDINATOR_AUDIENCE)
+    interceptors = auth.client_interceptors(TOKEN, "p1", auth.COORDINATOR_AUDIENCE, signer=KEYS["p1"])
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=interceptors) as channel:
             yield run, cgrpc.ControlStub(channel)
