@@ -469,6 +469,7 @@ class PeerDaemon:
             self.settings.poison,
             self.settings.poison_after,
             lambda: self.runner.version if self.runner is not None else 0,
+            error_feedback=train_cfg.error_feedback_backward,
         )
         try:
             self.runner = await self.run_compute(
@@ -482,12 +483,15 @@ class PeerDaemon:
         self.assignment = a
         self.assigned.set()
         log.info(
-            "assigned stage %d/%d: layers [%d, %d) on %s",
+            "assigned stage %d/%d: layers [%d, %d) on %s; wire %s forward, %s backward (error feedback %s)",
             a.stage,
             a.num_stages,
             a.layer_start,
             a.layer_end,
             self.device,
+            train_cfg.wire_forward,
+            train_cfg.wire_backward,
+            "on" if train_cfg.error_feedback_backward else "off",
         )
         if self.runner.is_first:
             self.driver = Driver(self, train_cfg, model_cfg, hf)
@@ -848,7 +852,7 @@ class PeerDaemon:
             mb.CopyFrom(act.mb)
             mb.weight_version = runner.version
             return self.policy.activations(mb, result.output, targets)
-        return self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens)
+        return self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens, to=sender)
 
     async def _on_gradients(self, g: pb.Gradients, sender: str | None) -> None:
         if self.router is not None and sender is not None:
@@ -864,7 +868,7 @@ class PeerDaemon:
 
     def _backward_job(self, g: pb.Gradients, runner: StageRunner, sender: str = "") -> pb.Packet:
         if g.mb.eval:
-            packet = self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
+            packet = self.policy.gradients(g.mb, None, g.loss_sum, g.tokens, to="")
             packet.gradients.dropped = g.dropped
             return packet
         grad = None if g.dropped else self.policy.decode(g.grad)
@@ -875,7 +879,7 @@ class PeerDaemon:
         result = runner.backward(g.mb.id, grad)
         if result.dropped:
             return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
-        return self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens)
+        return self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens, to=self._origin.get(g.mb.id, ""))
 
     # ---- replicas -------------------------------------------------------------------------------
     def _setup_replicas(self, a: cpb.Assignment, train_cfg, ups: dict, downs: dict, replicas: dict) -> None:
