@@ -489,9 +489,9 @@ class PeerDaemon:
             a.layer_start,
             a.layer_end,
             self.device,
-            train_cfg.wire_forward,
-            train_cfg.wire_backward,
-            "on" if train_cfg.error_feedback_backward else "off",
+            self.policy.forward,
+            self.policy.backward,
+            "on" if self.policy.error_feedback else "off",
         )
         if self.runner.is_first:
             self.driver = Driver(self, train_cfg, model_cfg, hf)

@@ -5,6 +5,9 @@ micro-batches. The residual error feedback keeps is what one holder is still owe
 another holder corrupts both streams (the running sums stop telescoping).
 """
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from swarm.codec_policy import WirePolicy
 from swarm.codecs import decode, encode
 from swarm.pb import wire_pb2 as pb
 from swarm.wire import tensor_from_pb, tensor_to_pb
+from tests.conftest import read_metrics, run_ravn_local
 
 
 def biased_stream(seed: int, steps: int, n: int = 4096) -> list[torch.Tensor]:
@@ -70,3 +74,31 @@ def test_error_feedback_off_sends_plain_quantisation(codec):
         assert off.gradients(mb, x, to="up").gradients.grad == plain
         differs |= on.gradients(mb, x, to="up").gradients.grad != plain
     assert differs, "with error feedback on, later gradients must carry a residual"
+
+
+def test_error_feedback_off_reaches_every_peer(tmp_path: Path) -> None:
+    """``ravn local --error-feedback-backward off``: each peer process learns it from its assignment."""
+    run_ravn_local(
+        tmp_path,
+        "ef-off",
+        "--peers",
+        "3",
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--wire-backward",
+        "int8",
+        "--error-feedback-backward",
+        "off",
+    )
+    logs = sorted((tmp_path / "ef-off" / "logs").glob("peer-*.log"))
+    assigned = [re.search(r"assigned stage .*\(error feedback (\w+)\)", p.read_text()) for p in logs]
+    assert len(logs) == 3 and all(assigned), [p.read_text()[-1000:] for p in logs]
+    assert {m.group(1) for m in assigned} == {"off"}
+    summary = next(m for m in read_metrics(tmp_path / "ef-off") if m["kind"] == "summary")
+    assert summary["steps"] == 3 and summary["error_feedback_backward"] is False
