@@ -128,7 +128,7 @@ def main() -> None:
         "--error-feedback",
         nargs="+",
         choices=("on", "off"),
-        default=["on"],
+        default=["off"],
         help="--error-feedback-backward settings to run for each pair with a lossy backward codec",
     )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model and data seeds (one run each)")

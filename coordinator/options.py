@@ -192,7 +192,7 @@ def _train_params(
             "peer (error feedback); 'off': every gradient is quantised on its own (docs/codecs.md).",
             callback=lambda v: _check_choice(v, ON_OFF, "setting"),
         ),
-    ] = "on",
+    ] = "off",
     schedule: Annotated[
         str,
         typer.Option(

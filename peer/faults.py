@@ -56,7 +56,7 @@ def wire_policy(
     after: int = 0,
     version: Callable[[], int] = lambda: 0,
     *,
-    error_feedback: bool = True,
+    error_feedback: bool = False,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
     if not poison:

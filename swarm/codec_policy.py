@@ -25,7 +25,7 @@ LOSSY = {"int8", "int4", "int4_rot"}
 class WirePolicy:
     forward: str = "fp32"
     backward: str = "fp32"
-    error_feedback: bool = True  # on gradients sent with a lossy codec (``--error-feedback-backward``)
+    error_feedback: bool = False  # on gradients sent with a lossy codec (``--error-feedback-backward``)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_elements: int = DEFAULT_MAX_ELEMENTS
     _feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # destination peer id -> its residual

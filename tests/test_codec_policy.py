@@ -13,6 +13,8 @@ import torch
 
 from swarm.codec_policy import WirePolicy
 from swarm.codecs import decode, encode
+from swarm.config import TrainConfig
+from swarm.messages import train_from_pb, train_to_pb
 from swarm.pb import wire_pb2 as pb
 from swarm.wire import tensor_from_pb, tensor_to_pb
 from tests.conftest import read_metrics, run_ravn_local
@@ -36,7 +38,7 @@ def sent(policy: WirePolicy, mb_id: int, grad: torch.Tensor, to: str) -> torch.T
 
 
 def test_residual_owed_to_one_upstream_holder_is_not_sent_to_another():
-    policy = WirePolicy(forward="fp32", backward="int8")
+    policy = WirePolicy(forward="fp32", backward="int8", error_feedback=True)
     streams = {"holder-a": biased_stream(1, 60), "holder-b": biased_stream(2, 60)}
     true_sum = {p: torch.zeros(4096) for p in streams}
     sent_sum = {p: torch.zeros(4096) for p in streams}
@@ -52,7 +54,7 @@ def test_residual_owed_to_one_upstream_holder_is_not_sent_to_another():
         drift = float((true_sum[peer] - sent_sum[peer]).norm())
         assert drift <= 2 * worst_step, (peer, drift, worst_step)
     # The first gradient a holder receives carries nothing from the other holder's stream.
-    fresh = WirePolicy(forward="fp32", backward="int8")
+    fresh = WirePolicy(forward="fp32", backward="int8", error_feedback=True)
     sent(fresh, 0, streams["holder-a"][0], "holder-a")
     torch.testing.assert_close(
         sent(fresh, 1, streams["holder-b"][0], "holder-b"),
@@ -76,11 +78,17 @@ def test_error_feedback_off_sends_plain_quantisation(codec):
     assert differs, "with error feedback on, later gradients must carry a residual"
 
 
-def test_error_feedback_off_reaches_every_peer(tmp_path: Path) -> None:
-    """``ravn local --error-feedback-backward off``: each peer process learns it from its assignment."""
+def test_error_feedback_is_off_by_default_and_survives_the_assignment_message():
+    assert TrainConfig().error_feedback_backward is False  # the convergence benchmark's choice (docs/codecs.md)
+    for on in (False, True):
+        assert train_from_pb(train_to_pb(TrainConfig(error_feedback_backward=on))).error_feedback_backward is on
+
+
+def test_error_feedback_flag_reaches_every_peer(tmp_path: Path) -> None:
+    """``ravn local --error-feedback-backward on`` (not the default): each peer process runs with it."""
     run_ravn_local(
         tmp_path,
-        "ef-off",
+        "ef-on",
         "--peers",
         "3",
         "--model",
@@ -94,11 +102,11 @@ def test_error_feedback_off_reaches_every_peer(tmp_path: Path) -> None:
         "--wire-backward",
         "int8",
         "--error-feedback-backward",
-        "off",
+        "on",
     )
-    logs = sorted((tmp_path / "ef-off" / "logs").glob("peer-*.log"))
+    logs = sorted((tmp_path / "ef-on" / "logs").glob("peer-*.log"))
     assigned = [re.search(r"assigned stage .*\(error feedback (\w+)\)", p.read_text()) for p in logs]
     assert len(logs) == 3 and all(assigned), [p.read_text()[-1000:] for p in logs]
-    assert {m.group(1) for m in assigned} == {"off"}
-    summary = next(m for m in read_metrics(tmp_path / "ef-off") if m["kind"] == "summary")
-    assert summary["steps"] == 3 and summary["error_feedback_backward"] is False
+    assert {m.group(1) for m in assigned} == {"on"}
+    summary = next(m for m in read_metrics(tmp_path / "ef-on") if m["kind"] == "summary")
+    assert summary["steps"] == 3 and summary["error_feedback_backward"] is True
