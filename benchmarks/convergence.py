@@ -1,65 +1,138 @@
 """Does compression cost loss? Train the built-in GPT through the real pipeline with each codec pair.
 
-Each pair runs ``ravn local`` exactly as a user would (3 peer processes, gRPC on loopback, the sync
+Each run is ``ravn local`` exactly as a user runs it (3 peer processes, gRPC on loopback, the sync
 schedule) for the same number of tokens and the same data; the table compares the final validation
-loss with the fp32 run and the wire bytes per trained token.
+loss with the fp32 run and the wire bytes per trained token. With several seeds each row gives the
+mean, the spread (sample standard deviation and min..max) and every seed's loss; with
+``--error-feedback on off`` each lossy-backward pair runs with and without error feedback on the
+gradients (``--error-feedback-backward``).
 
-    python -m benchmarks.convergence                      # the full table (about 15 min on 2 cores)
+    python -m benchmarks.convergence                      # the codec table, one seed (about 15 min on 2 cores)
     python -m benchmarks.convergence --steps 40 --pairs fp32/fp32 int8/int8
+    python -m benchmarks.convergence --model gpt-medium --pairs fp32/fp32 int4_rot/int8 \\
+        --error-feedback on off --seeds 0 1 2 --jobs 2   # error feedback on vs off (docs/codecs.md)
+
+A run whose ``metrics.jsonl`` already holds a summary is read back instead of trained again, so an
+interrupted table can be finished (delete ``--out``/convergence-runs to start over).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PAIRS = ["fp32/fp32", "fp16/fp16", "int8/int8", "int4/int8", "int4_rot/int8", "int4/int4", "int4_rot/int4_rot"]
+LOSSY = {"int8", "int4", "int4_rot"}
 
 
-def run_pair(pair: str, args: argparse.Namespace, runs_dir: Path) -> dict:
-    fwd, bwd = pair.split("/")
-    name = f"conv-{fwd}-{bwd}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "coordinator.ravn_cli",
-        "local",
-        "--peers",
-        str(args.peers),
-        "--steps",
-        str(args.steps),
-        "--eval-every",
-        str(args.eval_every),
-        "--eval-batches",
-        str(args.eval_batches),
-        "--model",
-        args.model,
-        "--wire-forward",
-        fwd,
-        "--wire-backward",
-        bwd,
-        "--runs-dir",
-        str(runs_dir),
-        "--name",
-        name,
-    ]
+@dataclass(frozen=True)
+class Variant:
+    pair: str
+    feedback: str  # "on" / "off" for a lossy backward codec, "" where error feedback does not apply
+
+    @property
+    def label(self) -> str:
+        return f"{self.pair} ef={self.feedback}" if self.feedback else self.pair
+
+    def run_name(self, model: str, seed: int) -> str:
+        fwd, bwd = self.pair.split("/")
+        ef = f"-ef{self.feedback}" if self.feedback else ""
+        return f"conv-{model}-{fwd}-{bwd}{ef}-s{seed}"
+
+
+def variants(pairs: list[str], feedback: list[str]) -> list[Variant]:
+    out = []
+    for pair in pairs:
+        lossy_backward = pair.split("/")[1] in LOSSY
+        out += [Variant(pair, ef) for ef in feedback] if lossy_backward else [Variant(pair, "")]
+    return out
+
+
+def run_one(variant: Variant, seed: int, args: argparse.Namespace, runs_dir: Path) -> dict:
+    fwd, bwd = variant.pair.split("/")
+    name = variant.run_name(args.model, seed)
+    metrics_file = runs_dir / name / "metrics.jsonl"
+    stdout = ""
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{pair} failed:\n{proc.stdout}\n{proc.stderr}")
-    metrics = [json.loads(x) for x in (runs_dir / name / "metrics.jsonl").read_text().splitlines()]
+    if not _has_summary(metrics_file):
+        cmd = [
+            sys.executable, "-m", "coordinator.ravn_cli", "local",
+            "--peers", str(args.peers),
+            "--steps", str(args.steps),
+            "--eval-every", str(args.eval_every),
+            "--eval-batches", str(args.eval_batches),
+            "--model", args.model,
+            "--seed", str(seed),
+            "--wire-forward", fwd,
+            "--wire-backward", bwd,
+            "--runs-dir", str(runs_dir),
+            "--name", name,
+        ]  # fmt: skip
+        if variant.feedback:
+            cmd += ["--error-feedback-backward", variant.feedback]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{variant.label} seed {seed} failed:\n{proc.stdout}\n{proc.stderr}")
+        stdout = proc.stdout
+        (runs_dir / name / "stdout.txt").write_text(stdout)
+    elif (runs_dir / name / "stdout.txt").exists():
+        stdout = (runs_dir / name / "stdout.txt").read_text()
+    metrics = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
     summary = next(m for m in metrics if m["kind"] == "summary")
     evals = [(m["step"], m["loss"]) for m in metrics if m["kind"] == "eval"]
-    return {"pair": pair, "wall_s": time.monotonic() - t0, "evals": evals, **summary}
+    plan = next((line.removeprefix("plan: ") for line in stdout.splitlines() if line.startswith("plan: ")), "")
+    print(f"  {variant.label} seed {seed}: val {summary['final_val_loss']:.4f} ({plan})", flush=True)
+    return {
+        "variant": variant.label, "pair": variant.pair, "feedback": variant.feedback, "seed": seed,
+        "wall_s": time.monotonic() - t0, "evals": evals, "plan": plan, **summary,
+    }  # fmt: skip
+
+
+def _has_summary(metrics_file: Path) -> bool:
+    return metrics_file.exists() and any('"kind": "summary"' in x for x in metrics_file.read_text().splitlines())
+
+
+def table(results: list[dict], labels: list[str]) -> list[str]:
+    """One row per variant: mean, spread and per-seed final validation loss at equal tokens."""
+    rows = {label: [r for r in results if r["variant"] == label] for label in labels}
+    base_label = next((label for label in labels if label == "fp32/fp32"), labels[0])
+    base = statistics.fmean(r["final_val_loss"] for r in rows[base_label])
+    lines = [
+        f"| variant | seeds | tokens | val loss mean | std | min..max | vs {base_label} | per seed | bytes/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for label, rs in rows.items():
+        losses = [r["final_val_loss"] for r in rs]
+        mean = statistics.fmean(losses)
+        std = f"{statistics.stdev(losses):.4f}" if len(losses) > 1 else "–"
+        per_seed = ", ".join(f"s{r['seed']} {r['final_val_loss']:.4f}" for r in rs)
+        wire = statistics.fmean(r["wire_bytes_per_token"] for r in rs)
+        lines.append(
+            f"| {label} | {len(rs)} | {rs[0]['tokens']:,} | {mean:.4f} | {std} | {min(losses):.4f}..{max(losses):.4f} "
+            f"| {(mean - base) / base * 100:+.2f}% | {per_seed} | {wire:,.0f} |"
+        )
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", nargs="+", default=DEFAULT_PAIRS, help="forward/backward codec pairs")
+    ap.add_argument(
+        "--error-feedback",
+        nargs="+",
+        choices=("on", "off"),
+        default=["off"],
+        help="--error-feedback-backward settings to run for each pair with a lossy backward codec",
+    )
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model and data seeds (one run each)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each one is 3 peers + a coordinator)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--model", default="gpt-small")
@@ -69,40 +142,33 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs_dir = args.out / "convergence-runs"
-    results = []
-    for pair in args.pairs:
-        print(f"running {pair} ...", flush=True)
-        results.append(run_pair(pair, args, runs_dir))
+    vs = variants(args.pairs, args.error_feedback)
+    todo = [(v, seed) for seed in args.seeds for v in vs]  # seed-major: a cut-short table still pairs variants
+    print(f"{len(todo)} runs of {args.model}, {args.steps} steps, {args.jobs} at a time", flush=True)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda job: run_one(job[0], job[1], args, runs_dir), todo))
     (args.out / "convergence.json").write_text(json.dumps(results, indent=2))
-    base = next((r for r in results if r["pair"] == "fp32/fp32"), results[0])
-    header = f"| {'forward/backward':<18} | val loss | vs {base['pair']} | bytes/token | vs fp32 bytes | tok/s |"
-    print(header)
-    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
-    for r in results:
-        rel = (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"] * 100
-        ratio = base["wire_bytes_per_token"] / r["wire_bytes_per_token"]
-        print(
-            f"| {r['pair']:<18} | {r['final_val_loss']:8.4f} | {rel:+8.2f}% | {r['wire_bytes_per_token']:11,.0f} "
-            f"| {ratio:12.2f}x | {r['tokens_per_s']:5,.0f} |"
-        )
-    plot(results, args.out / "convergence.png")
+    print("\n".join(table(results, [v.label for v in vs])))
+    plot(results, [v.label for v in vs], args.out / "convergence.png")
     print(f"plot: {args.out / 'convergence.png'}")
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], labels: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        a.plot([s + 1 for s, _ in r["evals"]], [v for _, v in r["evals"]], "o-", label=r["pair"], ms=3)
+    for i, label in enumerate(labels):
+        for j, r in enumerate(x for x in results if x["variant"] == label):
+            steps, losses = [s + 1 for s, _ in r["evals"]], [v for _, v in r["evals"]]
+            a.plot(steps, losses, "o-", color=f"C{i}", label=label if j == 0 else None, ms=3, alpha=0.8)
     a.set_xlabel("step")
     a.set_ylabel("validation loss")
     a.legend(fontsize=8)
     a.grid(alpha=0.3)
-    b.bar([r["pair"] for r in results], [r["wire_bytes_per_token"] for r in results])
+    b.bar(labels, [statistics.fmean(r["wire_bytes_per_token"] for r in results if r["variant"] == x) for x in labels])
     b.set_ylabel("wire bytes per trained token")
     b.tick_params(axis="x", rotation=30)
     fig.tight_layout()

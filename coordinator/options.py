@@ -19,6 +19,7 @@ import typer
 from swarm.config import MODEL_PRESETS, SCHEDULES, HFConfig, ModelConfig, TrainConfig
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
+ON_OFF = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RunOptions:
     eval_batches: int
     wire_forward: str
     wire_backward: str
+    error_feedback_backward: bool
     schedule: str
     max_staleness: int
     weight_stashing: bool
@@ -116,6 +118,7 @@ class RunOptions:
             eval_batches=self.eval_batches,
             wire_forward=self.wire_forward,
             wire_backward=self.wire_backward,
+            error_feedback_backward=self.error_feedback_backward,
             schedule=self.schedule,
             max_staleness=self.max_staleness,
             weight_stashing=self.weight_stashing,
@@ -187,6 +190,14 @@ def _train_params(
             callback=lambda v: _check_choice(v, WIRE_CODECS, "codec"),
         ),
     ] = "int8",
+    error_feedback_backward: Annotated[
+        str,
+        typer.Option(
+            help="'on': a lossy gradient codec's rounding error is added to the next gradient sent to the same "
+            "peer (error feedback); 'off': every gradient is quantised on its own (docs/codecs.md).",
+            callback=lambda v: _check_choice(v, ON_OFF, "setting"),
+        ),
+    ] = "off",
     schedule: Annotated[
         str,
         typer.Option(
@@ -303,6 +314,7 @@ def _train_params(
         eval_batches,
         wire_forward,
         wire_backward,
+        error_feedback_backward == "on",
         schedule,
         max_staleness if schedule == "async" else 0,
         weight_stashing,

@@ -1082,6 +1082,7 @@ class SwarmRun:
             "effective_batch_tokens": self.s.train.micro_batches * self.s.train.micro_batch_size * self.s.model.context,
             "wire_forward": self.s.train.wire_forward,
             "wire_backward": self.s.train.wire_backward,
+            "error_feedback_backward": self.s.train.error_feedback_backward,
             "final_val_loss": self.val_losses[-1][1] if self.val_losses else None,
             "replica_max_abs_diff": self.replica_disagreement(),
             "average_bytes": sum(x.stats.average_bytes for x in self.sessions.values()),

@@ -492,6 +492,7 @@ class PeerDaemon:
             self.settings.poison,
             self.settings.poison_after,
             lambda: self.runner.version if self.runner is not None else 0,
+            error_feedback=train_cfg.error_feedback_backward,
         )
         try:
             self.runner = await self.run_compute(
@@ -505,12 +506,15 @@ class PeerDaemon:
         self.assignment = a
         self.assigned.set()
         log.info(
-            "assigned stage %d/%d: layers [%d, %d) on %s",
+            "assigned stage %d/%d: layers [%d, %d) on %s; wire %s forward, %s backward (error feedback %s)",
             a.stage,
             a.num_stages,
             a.layer_start,
             a.layer_end,
             self.device,
+            self.policy.forward,
+            self.policy.backward,
+            "on" if self.policy.error_feedback else "off",
         )
         if self.runner.is_first:
             self.driver = Driver(self, train_cfg, model_cfg, hf)
@@ -887,7 +891,9 @@ class PeerDaemon:
                 act.mb, lambda: self.policy.activations(mb, result.output, targets), runner, pending=not act.mb.eval
             )
         return self._own_output(
-            act.mb, lambda: self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens), runner
+            act.mb,
+            lambda: self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens, to=sender),
+            runner,
         )
 
     def _own_output(
@@ -917,7 +923,7 @@ class PeerDaemon:
 
     def _backward_job(self, g: pb.Gradients, runner: StageRunner, sender: str = "") -> pb.Packet:
         if g.mb.eval:
-            packet = self.policy.gradients(g.mb, None, g.loss_sum, g.tokens)
+            packet = self.policy.gradients(g.mb, None, g.loss_sum, g.tokens, to="")
             packet.gradients.dropped = g.dropped
             return packet
         grad = None if g.dropped else self.policy.decode(g.grad)
@@ -928,9 +934,10 @@ class PeerDaemon:
         result = runner.backward(g.mb.id, grad)
         if result.dropped:
             return pb.Packet(gradients=pb.Gradients(mb=g.mb, dropped=True, loss_sum=g.loss_sum, tokens=g.tokens))
+        origin = self._origin.get(g.mb.id, "")  # the upstream holder that sent this micro-batch: its residual
         return self._own_output(
             g.mb,
-            lambda: self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens),
+            lambda: self.policy.gradients(g.mb, result.input_grad, g.loss_sum, g.tokens, to=origin),
             runner,
             loss_sum=g.loss_sum,
             tokens=g.tokens,

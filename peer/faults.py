@@ -42,9 +42,9 @@ class PoisonedPolicy(WirePolicy):
         return packet
 
     def gradients(
-        self, mb: pb.MicroBatch, grad: torch.Tensor | None, loss_sum: float = 0.0, tokens: int = 0
+        self, mb: pb.MicroBatch, grad: torch.Tensor | None, loss_sum: float = 0.0, tokens: int = 0, *, to: str
     ) -> pb.Packet:
-        packet = super().gradients(mb, grad, loss_sum, tokens)
+        packet = super().gradients(mb, grad, loss_sum, tokens, to=to)
         if grad is not None and self._active(mb):
             packet.gradients.grad.CopyFrom(self._poison(grad))
         return packet
@@ -58,11 +58,19 @@ def crash_due(spec: tuple[int, int] | None, stage: int, generation: int, version
 
 
 def wire_policy(
-    forward: str, backward: str, poison: str = "", after: int = 0, version: Callable[[], int] = lambda: 0
+    forward: str,
+    backward: str,
+    poison: str = "",
+    after: int = 0,
+    version: Callable[[], int] = lambda: 0,
+    *,
+    error_feedback: bool = False,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
     if not poison:
-        return WirePolicy(forward=forward, backward=backward)
+        return WirePolicy(forward=forward, backward=backward, error_feedback=error_feedback)
     if poison not in POISON_MODES:
         raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
-    return PoisonedPolicy(forward=forward, backward=backward, mode=poison, after=after, version=version)
+    return PoisonedPolicy(
+        forward=forward, backward=backward, error_feedback=error_feedback, mode=poison, after=after, version=version
+    )

@@ -79,6 +79,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     wire_forward: str = "fp32"
     wire_backward: str = "fp32"
+    error_feedback_backward: bool = False  # carry the lossy gradient codec's residual, per destination peer
     average_every: int = 10  # T: replicas of a block average their parameter change every T local steps
     average_codec: str = "int8"
     outer_lr: float = 1.0  # DiLoCo outer step on the averaged change; 1 with no momentum is plain averaging

@@ -1,0 +1,112 @@
+"""Error feedback on the gradients a stage sends upstream: one residual per destination, and a switch.
+
+A stage with replicated upstream holders sends each holder the gradients of that holder's own
+micro-batches. The residual error feedback keeps is what one holder is still owed; handing it to
+another holder corrupts both streams (the running sums stop telescoping).
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.codec_policy import WirePolicy
+from swarm.codecs import decode, encode
+from swarm.config import TrainConfig
+from swarm.messages import train_from_pb, train_to_pb
+from swarm.pb import wire_pb2 as pb
+from swarm.wire import tensor_from_pb, tensor_to_pb
+from tests.conftest import read_metrics, run_ravn_local
+
+
+def biased_stream(seed: int, steps: int, n: int = 4096) -> list[torch.Tensor]:
+    """Gradients with a persistent small bias and a few large entries: int8 drops the bias every time."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(n, generator=g) * 1e-3
+    out = []
+    for _ in range(steps):
+        x = bias + torch.randn(n, generator=g) * 1e-3
+        x[torch.randint(0, n, (40,), generator=g)] += torch.randn(40, generator=g) * 0.1
+        out.append(x)
+    return out
+
+
+def sent(policy: WirePolicy, mb_id: int, grad: torch.Tensor, to: str) -> torch.Tensor:
+    packet = policy.gradients(pb.MicroBatch(id=mb_id), grad, to=to)
+    return tensor_from_pb(packet.gradients.grad)
+
+
+def test_residual_owed_to_one_upstream_holder_is_not_sent_to_another():
+    policy = WirePolicy(forward="fp32", backward="int8", error_feedback=True)
+    streams = {"holder-a": biased_stream(1, 60), "holder-b": biased_stream(2, 60)}
+    true_sum = {p: torch.zeros(4096) for p in streams}
+    sent_sum = {p: torch.zeros(4096) for p in streams}
+    worst_step = 0.0
+    for i in range(60):
+        for peer, xs in streams.items():  # micro-batches alternate between the two holders
+            x = xs[i]
+            true_sum[peer] += x
+            sent_sum[peer] += sent(policy, i, x, peer)
+            worst_step = max(worst_step, float((x - decode(encode(x, "int8", seed=i))).norm()))
+    for peer in streams:
+        # Each holder's running sum is off by its own last residual only: at most about one step's error.
+        drift = float((true_sum[peer] - sent_sum[peer]).norm())
+        assert drift <= 2 * worst_step, (peer, drift, worst_step)
+    # The first gradient a holder receives carries nothing from the other holder's stream.
+    fresh = WirePolicy(forward="fp32", backward="int8", error_feedback=True)
+    sent(fresh, 0, streams["holder-a"][0], "holder-a")
+    torch.testing.assert_close(
+        sent(fresh, 1, streams["holder-b"][0], "holder-b"),
+        decode(encode(streams["holder-b"][0], "int8", seed=1)),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
+def test_error_feedback_off_sends_plain_quantisation(codec):
+    xs = biased_stream(3, 5)
+    off = WirePolicy(forward="fp32", backward=codec, error_feedback=False)
+    on = WirePolicy(forward="fp32", backward=codec, error_feedback=True)
+    differs = False
+    for i, x in enumerate(xs):
+        mb = pb.MicroBatch(id=i)
+        plain = tensor_to_pb(x, codec, block_size=off.block_size, seed=i)
+        assert off.gradients(mb, x, to="up").gradients.grad == plain
+        differs |= on.gradients(mb, x, to="up").gradients.grad != plain
+    assert differs, "with error feedback on, later gradients must carry a residual"
+
+
+def test_error_feedback_is_off_by_default_and_survives_the_assignment_message():
+    assert TrainConfig().error_feedback_backward is False  # the convergence benchmark's choice (docs/codecs.md)
+    for on in (False, True):
+        assert train_from_pb(train_to_pb(TrainConfig(error_feedback_backward=on))).error_feedback_backward is on
+
+
+def test_error_feedback_flag_reaches_every_peer(tmp_path: Path) -> None:
+    """``ravn local --error-feedback-backward on`` (not the default): each peer process runs with it."""
+    run_ravn_local(
+        tmp_path,
+        "ef-on",
+        "--peers",
+        "3",
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--wire-backward",
+        "int8",
+        "--error-feedback-backward",
+        "on",
+    )
+    logs = sorted((tmp_path / "ef-on" / "logs").glob("peer-*.log"))
+    assigned = [re.search(r"assigned stage .*\(error feedback (\w+)\)", p.read_text()) for p in logs]
+    assert len(logs) == 3 and all(assigned), [p.read_text()[-1000:] for p in logs]
+    assert {m.group(1) for m in assigned} == {"on"}
+    summary = next(m for m in read_metrics(tmp_path / "ef-on") if m["kind"] == "summary")
+    assert summary["steps"] == 3 and summary["error_feedback_backward"] is True
