@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 from tests.conftest import ravn_cmd, read_metrics
 from tests.swarm_procs import Proc
+from tests.test_recovery import peer_pid
 
 STEPS = 12
 
@@ -88,8 +88,7 @@ def test_sigkill_of_a_replica_during_averaging_keeps_the_swarm_training(tmp_path
         # averaging every step: the kill lands in or next to a round
         log = tmp_path / "kill" / "logs" / f"{victim}.log"
         assert "average round" in log.read_text()
-        pids = subprocess.run(["pgrep", "-f", f"peer.cli join .*--name {victim} "], capture_output=True, text=True)
-        os.kill(min(int(x) for x in pids.stdout.split()), signal.SIGKILL)
+        os.kill(peer_pid(proc, victim), signal.SIGKILL)  # our own peer, never another run's of the same name
         proc.wait_for(rf"replica {victim} of layers .* carry on without it", 60)
         assert proc.wait(300) == 0, proc.output
     finally:
