@@ -207,7 +207,7 @@ class PeerDaemon:
                 log.info("Prometheus metrics on http://%s:%d/metrics", self.settings.metrics_host, port)
             log.info("DHT up; looking for swarm %r", disc.s.swarm)
             plan = await self._unless_stopped(disc.find_swarm())
-            reachable = await self._check_reachable(plan)
+            reachable = await self._unless_stopped(self._check_reachable(plan))
             await self.start_server()
             record = await self._measure(plan, reachable)
             await disc.announce(record)
@@ -261,7 +261,7 @@ class PeerDaemon:
         self.settings = dataclasses.replace(self.settings, port=port)  # keep the port that was checked
         if not reachable:
             log.warning("not reachable from outside (%s): this peer will dial its neighbours", detail)
-            await asyncio.to_thread(self.discovery.restart_as_client)
+            await self.discovery.restart_as_client()
         return reachable
 
     async def _measure(self, plan: Plan, reachable: bool = True) -> PeerRecord:

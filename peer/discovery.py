@@ -23,6 +23,9 @@ from swarm.record_signing import new_key
 
 log = logging.getLogger(__name__)
 
+RESTART_FIRST_DELAY_S = 1.0  # a failed restart as a client is retried after this, then twice as long...
+RESTART_MAX_DELAY_S = 8.0  # ...up to this
+
 
 class DiscoveryError(RuntimeError):
     """The peer cannot find or enter its swarm; the message says what to fix."""
@@ -76,25 +79,59 @@ class Discovery:
         ``client_mode``: for a peer behind NAT, which cannot accept the DHT's inbound connections; it then
         only asks and stores, and other nodes do not wait on it.
         """
-        ip = "ip6" if ":" in self.s.dht_host else "ip4"
         try:
-            self.dht = OwnedDHT(
-                start=True,
-                initial_peers=list(self.initial_peers),
-                host_maddrs=[f"/{ip}/{self.s.dht_host}/tcp/{self.s.dht_port}"],
-                record_validators=dht_record_validators(),
-                client_mode=client_mode,
-            )
+            self._start_node(client_mode)
         except P2PDaemonError as e:
             raise DiscoveryError(
-                f"cannot reach any initial peer ({', '.join(self.initial_peers)}): "
-                f"{str(e).splitlines()[0][:200]}; check the address and that the coordinator runs"
+                f"cannot reach any initial peer ({self._initial_peers_text()}): {_first_line(e)}; "
+                "check the address and that the coordinator runs"
             ) from None
 
-    def restart_as_client(self) -> None:
-        """Behind NAT after all: rejoin the DHT as a client (keeps the pinned key and the plan version)."""
+    def _start_node(self, client_mode: bool) -> None:
+        ip = "ip6" if ":" in self.s.dht_host else "ip4"
+        self.dht = OwnedDHT(
+            start=True,
+            initial_peers=list(self.initial_peers),
+            host_maddrs=[f"/{ip}/{self.s.dht_host}/tcp/{self.s.dht_port}"],
+            record_validators=dht_record_validators(),
+            client_mode=client_mode,
+        )
+
+    def _initial_peers_text(self) -> str:
+        return ", ".join(self.initial_peers)
+
+    async def restart_as_client(self) -> None:
+        """Behind NAT after all: rejoin the DHT as a client (keeps the pinned key and the plan version).
+
+        The initial peers answered seconds ago, so a failed start here is taken as passing: it is retried
+        with a doubling delay, each failure logged with its reason, until ``find_timeout`` has passed.
+        Each start runs on this (the main) thread, blocking the loop for a moment: see swarm/dht_node.py.
+        """
         self.shutdown()
-        self.start(client_mode=True)
+        deadline = time.monotonic() + self.s.find_timeout
+        delay, attempt = RESTART_FIRST_DELAY_S, 0
+        while True:
+            attempt += 1
+            try:
+                self._start_node(True)
+                if attempt > 1:
+                    log.info("DHT node restarted as a client (attempt %d)", attempt)
+                return
+            except P2PDaemonError as e:
+                reason = f"{_first_line(e)} (initial peers: {self._initial_peers_text()})"
+            if time.monotonic() + delay > deadline:
+                raise DiscoveryError(
+                    f"could not restart the DHT node as a client in {attempt} attempts over "
+                    f"{self.s.find_timeout:.0f} s: {reason}; check that the coordinator runs"
+                )
+            log.warning(
+                "restarting the DHT node as a client failed (attempt %d): %s; retrying in %.1f s",
+                attempt,
+                reason,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RESTART_MAX_DELAY_S)
 
     async def find_swarm(self) -> Plan:
         """The coordinator's current plan; proof that the swarm exists and who coordinates it."""
@@ -183,6 +220,10 @@ class Discovery:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 async def _ping_initial_peers(maddrs: tuple[str, ...], _dht: object, node: object) -> int:
