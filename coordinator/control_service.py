@@ -24,6 +24,7 @@ from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.resume import ATTACHED_KEY, ResumeClaim
+from swarm.state_checks import decode_state
 from swarm.transport import GRPC_OPTIONS
 from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
 
@@ -125,7 +126,7 @@ class ControlService(cgrpc.ControlServicer):
                 await context.abort(e.code, str(e))
             planned = run.planned.get(chunk.peer_id)
             spec = upload_checks.block_spec(run.s.model, run.s.hf, chunk, planned[:2] if planned else None)
-            tensors, optim = await asyncio.to_thread(upload_checks.decode_upload, chunk, spec)
+            tensors, optim = await asyncio.to_thread(decode_state, chunk, spec)
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if chunk.periodic:

@@ -48,6 +48,7 @@ from swarm.routing import ReplicaRouter
 from swarm.sanity import DAEMON_SETTINGS, LinkSanity, SanityError
 from swarm.stage_factory import build_runner
 from swarm.stage_runner import StageInputError, StageRunner
+from swarm.state_checks import BlockSpec, decode_state
 from swarm.step_shares import SenderSplit, UpstreamShares
 from swarm.transport import GRPC_OPTIONS, Link, LinkClosed, hello_packet, read_hello, refuse_client_stream
 from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
@@ -579,14 +580,18 @@ class PeerDaemon:
     async def _restore(self, version: int) -> None:
         """Load this block's weights and optimizer state at ``version`` from the coordinator's store."""
         request = cpb.FetchStateRequest(peer_id=self.peer_id, version=version, names=self.runner.parameter_names())
-        reasm = Reassembler(message_type=cpb.StateChunk)
+        own = await self.run_compute(self.runner.state_dict)
+        spec = BlockSpec({name: tuple(t.shape) for name, t in own.items()})  # only our block's state is accepted
+        reasm = Reassembler(max_packet_bytes=spec.max_state_bytes, message_type=cpb.StateChunk)
         chunk = None
-        async for frame in self._control.FetchState(request, timeout=120):
-            chunk = reasm.push(frame) or chunk
-        if chunk is None:
-            raise AssignmentError(f"the coordinator sent no state for version {version}")
-        weights = {t.name: self.policy.decode(t.tensor) for t in chunk.tensors}
-        optim = {t.name: self.policy.decode(t.tensor) for t in chunk.optimizer}
+        try:
+            async for frame in self._control.FetchState(request, timeout=120):
+                chunk = reasm.push(frame) or chunk
+            if chunk is None:
+                raise AssignmentError(f"the coordinator sent no state for version {version}")
+            weights, optim = await asyncio.to_thread(decode_state, chunk, spec)
+        except WireError as e:
+            raise AssignmentError(f"the coordinator's state for version {version} is not this block's: {e}") from None
         await self.run_compute(self.runner.restore, version, weights, optim)
         digest = await asyncio.to_thread(state_digest, weights, optim)
         log.info("restored %d tensors at weight version %d (state digest %s)", len(weights), version, digest)

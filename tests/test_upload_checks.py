@@ -110,7 +110,7 @@ def test_the_spec_is_the_blocks_own_state() -> None:
     spec = gpt_block_spec(CFG, 1, CFG.n_layers)
     real = StageModel(CFG, 1, CFG.n_layers).state_dict()
     assert spec.shapes == {k: tuple(v.shape) for k, v in real.items()}
-    assert spec.max_upload_bytes < 4 * good_chunk().ByteSize()
+    assert spec.max_state_bytes < 4 * good_chunk().ByteSize()
 
 
 @pytest.mark.parametrize("reason", list(bad_chunks()))
