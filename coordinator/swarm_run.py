@@ -175,6 +175,7 @@ class SwarmRun:
         self._last_step = -1
         self._resume = resume
         self._resumed_through = -1  # steps up to here were logged before a restart: a peer's re-send is dropped
+        self._logged_through = self._evaled_through = -1  # this timeline's newest logged step and validation
         self._dht_port: int | None = None
         self._records_due: dict[str, float] = {}  # re-attached peers: when their DHT record must be back
         if resume is not None:
@@ -346,6 +347,11 @@ class SwarmRun:
             log.warning("problem: %s", reason)
         self._failed.set()
 
+    def redo_from(self, version: int) -> None:
+        """A recovery restored checkpoint ``version``: its steps and validations are redone and count again."""
+        self._resumed_through = -1
+        self._logged_through = self._evaled_through = version - 1
+
     def on_report(self, r: cpb.StatusReport) -> None:
         session = self.sessions[r.peer_id]
         session.last_seen = now = time.monotonic()
@@ -359,10 +365,15 @@ class SwarmRun:
                 self._ready.set()
         if r.steps and self._incident_ends_at_step:
             self._incident, self._incident_layers, self._incident_ends_at_step = "", None, False
-        steps = [st for st in r.steps if st.step > self._resumed_through]
-        evals = [ev for ev in r.evals if ev.step > self._resumed_through]
+        # a report is re-sent whenever its call failed at the peer, also after the coordinator had it
+        steps = [st for st in r.steps if st.step > max(self._resumed_through, self._logged_through)]
+        evals = [ev for ev in r.evals if ev.step > max(self._resumed_through, self._evaled_through)]
         if len(steps) < len(r.steps):
-            log.info("dropped %d step reports logged before the restart", len(r.steps) - len(steps))
+            log.info("dropped %d step reports already logged (a re-sent report)", len(r.steps) - len(steps))
+        if steps:
+            self._logged_through = max(st.step for st in steps)
+        if evals:
+            self._evaled_through = max(ev.step for ev in evals)
         for st in steps:
             self.train_losses.append((st.step, st.loss))
             self._last_step = st.step
@@ -854,7 +865,7 @@ class SwarmRun:
                 raise RunFailed(f"{reason}; no peer is left to continue")
             version = self._restore_version = self.store.latest_complete() or 0
             self.store.begin_epoch(version)  # the dead plan's later checkpoints go; its uploads are refused
-            self._resumed_through = -1  # steps are redone from here: all of them count
+            self.redo_from(version)
             await self._publish(self._plan_for(survivors))
             self._lost -= gone
             self._departed -= gone
