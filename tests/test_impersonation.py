@@ -127,7 +127,7 @@ def test_a_token_holder_cannot_act_in_another_members_name(tmp_path: Path) -> No
     assert all(code in REFUSED for code in codes.values()), codes
     checkpoints = tmp_path / "imp" / "checkpoints"
     assert not (checkpoints / f"v{FAKE_VERSION:08d}").exists(), "the forged version reached the store"
-    assert any(checkpoints.glob("v*/layers-*.safetensors")), "the real checkpoints were pruned"
+    assert any(checkpoints.glob("v*/e*/layers-*.safetensors")), "the real checkpoints were pruned"
     metrics = read_metrics(tmp_path / "imp")
     assert not [m for m in metrics if m["kind"] in ("exclude", "recovery")], "the run was disturbed"
     assert sum(m["kind"] == "step" for m in metrics) == 80
