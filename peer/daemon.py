@@ -103,6 +103,7 @@ class PeerDaemon:
         self.signing_key = discovery.signing_key if discovery is not None else new_key()
         self.plan: Plan | None = None
         self.generation = 0
+        self._upload: asyncio.Task | None = None  # the newest checkpoint upload (see run_compute)
         self.metrics_server = MetricsServer()
         self.metrics = self.metrics_server.peer(settings.peer_id)
         self._dial_tasks: list[asyncio.Task] = []
@@ -151,9 +152,15 @@ class PeerDaemon:
         if runner is not None and runner.pending_checkpoint is not None:
             snapshot, runner.pending_checkpoint = runner.pending_checkpoint, None
             if generation == self.generation:  # else a step of an assignment we no longer hold
-                self._tasks.append(
-                    asyncio.create_task(self._upload_checkpoint(*snapshot, generation=generation), name="checkpoint")
+                previous = self._upload
+                if previous is not None and not previous.done() and self._attached:
+                    # at most one upload in flight: training runs at most one period ahead of what the
+                    # coordinator holds, so a failure redoes fewer than 2C steps however slow uploads are
+                    await asyncio.wait([previous])
+                self._upload = asyncio.create_task(
+                    self._upload_checkpoint(*snapshot, generation=generation), name="checkpoint"
                 )
+                self._tasks.append(self._upload)
         return result
 
     def channel(self, target: str, audience: str = auth.COORDINATOR_AUDIENCE, **kw) -> grpc.aio.Channel:

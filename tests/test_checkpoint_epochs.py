@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -131,6 +132,7 @@ def new_blocks(root: Path, version: int, blocks: list[tuple[int, int]], timeout:
     raise AssertionError(f"blocks {blocks} of v{version} did not arrive within {timeout} s: {sorted(root.rglob('*'))}")
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_a_restore_after_two_failures_under_two_splits_loads_one_timelines_checkpoint(tmp_path: Path) -> None:
     """3 peers split 6 layers; the first stage's holder dies instead of uploading v5 (its neighbours
     uploaded theirs), the 2 survivors re-plan with another split and replay to v5; one of them is then

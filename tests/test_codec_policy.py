@@ -84,6 +84,7 @@ def test_error_feedback_is_off_by_default_and_survives_the_assignment_message():
         assert train_from_pb(train_to_pb(TrainConfig(error_feedback_backward=on))).error_feedback_backward is on
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_error_feedback_flag_reaches_every_peer(tmp_path: Path) -> None:
     """``ravn local --error-feedback-backward on`` (not the default): each peer process runs with it."""
     run_ravn_local(

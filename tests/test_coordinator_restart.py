@@ -17,6 +17,7 @@ from tests.swarm_procs import assert_all_gone, coordinator, join_args, peer
 STEPS = 120
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_sigkill_of_the_coordinator_then_restart_trains_on_with_the_same_plan(tmp_path: Path) -> None:
     args = (
         "--peers",

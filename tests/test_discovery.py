@@ -17,6 +17,7 @@ from tests.swarm_procs import ROOT, assert_all_gone, coordinator, join_args, pee
 HEARTBEAT = 1.0
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_four_separate_peers_train_and_a_crash_uncovers_its_block(tmp_path: Path) -> None:
     coord = coordinator(
         tmp_path,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import read_metrics
 from tests.swarm_procs import assert_all_gone, coordinator, join_args, peer
 
@@ -12,6 +14,7 @@ def tokens_per_s(steps: list[dict]) -> float:
     return sum(m["tokens"] for m in steps) / sum(m["seconds"] for m in steps)
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_a_joining_peer_is_placed_and_nothing_is_lost(tmp_path: Path) -> None:
     coord = coordinator(
         tmp_path,

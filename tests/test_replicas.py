@@ -7,6 +7,8 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ravn_cmd, read_metrics
 from tests.swarm_procs import Proc
 from tests.test_recovery import peer_pid
@@ -76,6 +78,7 @@ def test_replicas_share_the_middle_block_and_agree_after_averaging(tmp_path: Pat
     assert evals[-1] < evals[0]
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_sigkill_of_a_replica_during_averaging_keeps_the_swarm_training(tmp_path: Path) -> None:
     steps = 40
     proc = _local(

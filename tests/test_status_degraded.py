@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, ravn_cmd
 from tests.swarm_procs import assert_all_gone, coordinator, join_args, peer
 
@@ -38,6 +40,7 @@ def poll(target: str, token: str, ok, timeout: float, what: str) -> dict:
     raise AssertionError(f"no status with {what} within {timeout} s; verdicts seen: {seen}")
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_sigkill_of_a_peer_turns_the_verdict_degraded_and_names_its_block(tmp_path: Path) -> None:
     coord = coordinator(
         tmp_path,

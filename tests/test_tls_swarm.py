@@ -97,6 +97,7 @@ def ravn_status(target: str, token: str, *args: str) -> subprocess.CompletedProc
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
 
 
+@pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
 def test_a_tls_coordinator_is_pinned_by_its_peers_and_by_ravn_status(tmp_path: Path) -> None:
     coord = coordinator(
         tmp_path,
