@@ -14,27 +14,8 @@ import signal
 import sys
 
 from peer.daemon import PeerDaemon, PeerSettings
-from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.messages import model_to_pb, train_to_pb
 from swarm.multiaddrs import multiaddr_to_grpc_target
-from swarm.pb import control_pb2 as cpb
-
-CFG = MODEL_PRESETS["gpt-tiny"]
-TRAIN = TrainConfig(micro_batches=1, micro_batch_size=2)
-
-
-def assignment() -> cpb.Assignment:
-    return cpb.Assignment(
-        run_id="run",
-        stage=1,
-        num_stages=2,
-        layer_start=1,
-        layer_end=CFG.n_layers,
-        model=model_to_pb(CFG),
-        train=train_to_pb(TRAIN),
-        upstream_peer="upstream",
-        upstream_endpoint="/ip4/127.0.0.1/tcp/1",
-    )
+from tests.test_fuzz import assignment  # the same fixed assignment the fuzz target serves
 
 
 async def main(token: str, upstream_key: str) -> None:
