@@ -39,6 +39,7 @@ from coordinator.status_view import (
 )
 from swarm import auth, limits, tls
 from swarm.config import HFConfig, ModelConfig, TrainConfig
+from swarm.dht_records import seal_plan
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.identity import plan_keys
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
@@ -46,6 +47,7 @@ from swarm.metrics import MetricsServer
 from swarm.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
+from swarm.plan_view import plan_view
 from swarm.resume import ResumeClaim
 from swarm.transport import GRPC_OPTIONS
 
@@ -902,35 +904,33 @@ class SwarmRun:
             self._recovering = False
 
     def _assignment(self, peer_id: str) -> cpb.Assignment:
-        stages = self.plan.stages
-        index = next(i for i, st in enumerate(stages) if any(p.peer_id == peer_id for p in st.peers))
-        ups = stages[index - 1].peers if index > 0 else []
-        downs = stages[index + 1].peers if index + 1 < len(stages) else []
-        up, down = (ups[0] if ups else None), (downs[0] if downs else None)
-        st = stages[index]
-        me = next(p for p in st.peers if p.peer_id == peer_id)
+        view = plan_view(self.plan, peer_id)
+        up = next(iter(view.upstreams.items()), None)
+        down = next(iter(view.downstreams.items()), None)
+        sealed = seal_plan(self.plan, self.membership.key)
         return cpb.Assignment(
             run_id=self.run_id,
-            stage=index,
-            num_stages=len(stages),
-            layer_start=st.layer_start,
-            layer_end=st.layer_end,
+            stage=view.stage,
+            num_stages=view.num_stages,
+            layer_start=view.layers[0],
+            layer_end=view.layers[1],
             model=model_to_pb(self.s.model),
             train=train_to_pb(self.s.train),
-            upstream_endpoint=up.endpoint if up else "",
-            downstream_endpoint=down.endpoint if down else "",
-            upstream_peer=up.peer_id if up else "",
-            downstream_peer=down.peer_id if down else "",
+            upstream_endpoint=up[1] if up else "",
+            downstream_endpoint=down[1] if down else "",
+            upstream_peer=up[0] if up else "",
+            downstream_peer=down[0] if down else "",
             hf=hf_to_pb(self.s.hf) if self.s.hf else None,
             restore_version=self._restore_version,
             epoch=self.store.epoch,
-            dial_upstream=up is not None and not me.reachable,
-            accept_downstream=down is not None and not all(p.reachable for p in downs),
-            upstreams=[cpb.Neighbour(peer_id=p.peer_id, endpoint=p.endpoint) for p in ups],
-            downstreams=[cpb.Neighbour(peer_id=p.peer_id, endpoint=p.endpoint) for p in downs],
-            replicas=[cpb.Neighbour(peer_id=p.peer_id, endpoint=p.endpoint) for p in st.peers]
-            if len(st.peers) > 1
+            dial_upstream=view.dial_upstream,
+            accept_downstream=view.accept_downstream,
+            upstreams=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.upstreams.items()],
+            downstreams=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.downstreams.items()],
+            replicas=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.replicas.items()]
+            if view.replicated
             else [],
+            plan=cpb.SignedPlan(body=sealed["body"], sig=sealed["sig"]),
         )
 
     async def run(self) -> int:

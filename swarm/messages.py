@@ -5,6 +5,7 @@ from __future__ import annotations
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import Plan
 from swarm.pb import control_pb2 as cpb
+from swarm.plan_view import PlanViewError, plan_view
 from swarm.wire import codec_from_pb, codec_to_pb
 
 
@@ -133,36 +134,31 @@ class AssignmentError(ValueError):
 
 def check_assignment(a: cpb.Assignment, plan: Plan, peer_id: str) -> None:
     """The coordinator's gRPC assignment must say exactly what its signed DHT plan says."""
-    stages = plan.stages
-    index = next((i for i, st in enumerate(stages) if any(p.peer_id == peer_id for p in st.peers)), None)
-    if index is None:
-        raise AssignmentError(f"the signed plan v{plan.version} gives peer {peer_id} no block")
-    st = stages[index]
-    up = stages[index - 1].peers if index > 0 else []
-    down = stages[index + 1].peers if index + 1 < len(stages) else []
+    try:
+        view = plan_view(plan, peer_id)
+    except PlanViewError as e:
+        raise AssignmentError(str(e)) from None
     problems = []
-    if (a.stage, a.num_stages, a.layer_start, a.layer_end) != (index, len(stages), st.layer_start, st.layer_end):
+    if (a.stage, a.num_stages, (a.layer_start, a.layer_end)) != (view.stage, view.num_stages, view.layers):
         problems.append(
             f"stage {a.stage}/{a.num_stages} layers [{a.layer_start},{a.layer_end}) vs signed "
-            f"{index}/{len(stages)} [{st.layer_start},{st.layer_end})"
+            f"{view.stage}/{view.num_stages} [{view.layers[0]},{view.layers[1]})"
         )
     if a.run_id != plan.run_id:
         problems.append(f"run {a.run_id!r} vs signed {plan.run_id!r}")
     ups, downs, replicas = assignment_neighbours(a)
-    for what, got, signed in (("upstream", ups, up), ("downstream", downs, down), ("replica", replicas, st.peers)):
-        signed_set = {(p.peer_id, p.endpoint) for p in signed}
-        if set(got.items()) - signed_set:
-            problems.append(
-                f"{what} holders {sorted(set(got) - {p for p, _ in signed_set})} are not in the signed plan"
-            )
+    for what, got, signed in (
+        ("upstream", ups, view.upstreams),
+        ("downstream", downs, view.downstreams),
+        ("replica", replicas, view.replicas),
+    ):
+        if set(got.items()) - set(signed.items()):
+            problems.append(f"{what} holders {sorted(set(got) - set(signed))} are not in the signed plan")
         if what != "replica" and bool(got) != bool(signed):
             problems.append("neighbours differ from the signed plan")
     if len(replicas) > 1 and peer_id not in replicas:
         problems.append("the replica list does not name this peer")
-    me = next(p for p in st.peers if p.peer_id == peer_id)
-    if a.dial_upstream != (bool(up) and not me.reachable) or a.accept_downstream != (
-        bool(down) and not all(p.reachable for p in down)
-    ):
+    if (a.dial_upstream, a.accept_downstream) != (view.dial_upstream, view.accept_downstream):
         problems.append("dial directions differ from the reachability in the signed plan")
     if problems:
         raise AssignmentError("assignment does not match the coordinator's signed plan: " + "; ".join(problems))
