@@ -29,7 +29,7 @@ from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
 from coordinator.progress import Progress
 from coordinator.reachability import Unarrangeable, arrange
 from coordinator.run_state import CoordinatorState, read_events, save_state
-from coordinator.status_view import (
+from coordinator.status_data import (
     ExcludedPeer,
     RunStatus,
     SwarmStatus,

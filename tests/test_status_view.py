@@ -1,4 +1,4 @@
-"""coordinator.status_view: verdict rules, the JSON shape, the transport round trip, rich rendering."""
+"""coordinator.status_data, _verdict, _view: verdict rules, the JSON shape, the transport round trip, rich rendering."""
 
 from __future__ import annotations
 
@@ -8,20 +8,17 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from coordinator.status_view import (
+from coordinator.status_data import (
     PeerStatus,
     RunStatus,
     SwarmStatus,
     blocks_from_peers,
     eta_seconds,
-    exit_code,
     peer_status_from_stats,
-    render,
-    sparkline,
     staleness_percentile,
-    status_json,
-    verdict,
 )
+from coordinator.status_verdict import exit_code, status_json, verdict
+from coordinator.status_view import render, sparkline
 from swarm.pb import control_pb2 as cpb
 
 
