@@ -110,5 +110,16 @@ def test_the_fastest_of_a_few_repeats_is_kept() -> None:
     def once() -> None:
         clock[0] += next(costs)
 
-    rate = measure.best_rate(once, repeats=5, repeat_seconds=2.0, clock=lambda: clock[0])
+    rate = measure.best_rate(once, repeats=5, repeat_seconds=2.0, max_seconds=1e9, clock=lambda: clock[0])
     assert rate == pytest.approx(1.0)
+
+
+def test_gpt2_checkpoints_are_measured_too(tmp_path: Path) -> None:
+    """GPT-2 keeps its weights in ``Conv1D`` (stored (in, out)) and has no rotary embeddings."""
+    pytest.importorskip("transformers")
+    from swarm.hf.measure import hf_layer_throughput
+    from swarm.hf.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "gpt2", "gpt2", hidden=32)
+    rate = hf_layer_throughput(ckpt, "cpu", dtype="fp32", int8=True, lora_rank=2, context=8, batch=1)
+    assert rate > 0
