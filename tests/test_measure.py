@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import peer.daemon as daemon_module
+from coordinator.membership import make_plan
 from coordinator.swarm_run import RunSettings, SwarmRun
 from peer.daemon import PeerDaemon, PeerSettings
 from swarm import measure
 from swarm.config import HFConfig, ModelConfig, TrainConfig
-from swarm.dht_schema import Plan
+from swarm.dht_schema import Plan, PlannedLayer
 from swarm.model import TransformerLayer
 
 
@@ -123,3 +124,35 @@ def test_gpt2_checkpoints_are_measured_too(tmp_path: Path) -> None:
     ckpt = make_tiny_checkpoint(tmp_path / "gpt2", "gpt2", hidden=32)
     rate = hf_layer_throughput(ckpt, "cpu", dtype="fp32", int8=True, lora_rank=2, context=8, batch=1)
     assert rate > 0
+
+
+def a_plan(model_name: str, layer: PlannedLayer | None) -> Plan:
+    return make_plan(
+        swarm="s",
+        run_id="r",
+        version=1,
+        model_name=model_name,
+        coordinator="/ip4/127.0.0.1/tcp/1",
+        stages=[(0, 2, [])],
+        layer=layer,
+    )
+
+
+def test_a_plan_that_names_no_layer_is_measured_by_its_preset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A coordinator from before the layer field: the old rule, the preset of that name."""
+    calls: list = []
+    spy(monkeypatch, TransformerLayer, calls)
+    assert measure.planned_throughput(a_plan("gpt-tiny", None), "cpu") > 0
+    assert set(calls) == {((4, 64, 64), torch.float32)}
+
+
+def test_a_checkpoint_missing_here_is_measured_as_a_gpt_layer_as_wide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The peer still announces; its assignment then fails with the reason (swarm/stage_factory.py)."""
+    layer = PlannedLayer(d_model=32, n_heads=2, context=8, micro_batch_size=1, hf_path=str(tmp_path / "absent"))
+    calls: list = []
+    spy(monkeypatch, TransformerLayer, calls)
+    assert measure.planned_throughput(a_plan("hf:absent", layer), "cpu") > 0
+    assert set(calls) == {((1, 8, 32), torch.float32)}
+    assert "cannot measure a layer of the checkpoint" in caplog.text
