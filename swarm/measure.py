@@ -8,29 +8,22 @@ checkpoint in its own architecture, dtype and int8 base with LoRA adapters, buil
 with random weights (``swarm.hf.measure``): speed does not depend on the values, so no weights are read.
 
 Measuring runs at every peer start, often on cores that other processes share, so it is short and keeps
-the fastest of a few short repeats (:func:`best_rate`): interference only ever makes a repeat slower, so
-the fastest repeat is the closest to what this machine can do, while a mean over one long run carries
-whatever else ran meanwhile (identical peers started together measured 2-3x apart that way).
+the fastest of a few short repeats (``swarm.bench.best_rate`` says why).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable
 
 import torch
 
+from swarm.bench import best_rate, synchronizer
 from swarm.config import MODEL_PRESETS, HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import Plan, PlannedLayer
 from swarm.model import TransformerLayer
 
 log = logging.getLogger(__name__)
-
-REPEATS = 5  # timed repeats; the fastest one counts
-REPEAT_SECONDS = 0.1  # each repeat runs at least one pass and at least this long
-MAX_SECONDS = 3.0  # a layer too big for that stops after 2 repeats once this much time went by
 
 
 def device_name(device: str) -> str:
@@ -105,38 +98,3 @@ def layer_throughput(cfg: ModelConfig, device: str, *, batch: int = 4) -> float:
         layer(x).sum().backward()
 
     return best_rate(once, sync=synchronizer(dev))
-
-
-def synchronizer(device: torch.device) -> Callable[[], None]:
-    """Waits for the device's queued work (CUDA runs asynchronously), so the clock sees finished passes."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
-def best_rate(
-    once: Callable[[], None],
-    *,
-    repeats: int = REPEATS,
-    repeat_seconds: float = REPEAT_SECONDS,
-    max_seconds: float = MAX_SECONDS,
-    sync: Callable[[], None] = lambda: None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Calls of ``once`` per second in the fastest of ``repeats`` timed repeats, after one warm-up call.
-
-    Why the fastest: see the module docstring. The warm-up pays for allocations and kernel selection.
-    """
-    once()
-    sync()
-    start, best = clock(), 0.0
-    for i in range(repeats):
-        n, t0 = 0, clock()
-        while n == 0 or clock() - t0 < repeat_seconds:
-            once()
-            n += 1
-        sync()
-        best = max(best, n / max(clock() - t0, 1e-9))
-        if i >= 1 and clock() - start > max_seconds:
-            break
-    return best

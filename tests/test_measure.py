@@ -20,7 +20,7 @@ import peer.daemon as daemon_module
 from coordinator.membership import make_plan
 from coordinator.swarm_run import RunSettings, SwarmRun
 from peer.daemon import PeerDaemon, PeerSettings
-from swarm import measure
+from swarm import bench, measure
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import Plan, PlannedLayer
 from swarm.model import TransformerLayer
@@ -111,7 +111,7 @@ def test_the_fastest_of_a_few_repeats_is_kept() -> None:
     def once() -> None:
         clock[0] += next(costs)
 
-    rate = measure.best_rate(once, repeats=5, repeat_seconds=2.0, max_seconds=1e9, clock=lambda: clock[0])
+    rate = bench.best_rate(once, repeats=5, repeat_seconds=2.0, max_seconds=1e9, clock=lambda: clock[0])
     assert rate == pytest.approx(1.0)
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from swarm.bench import best_rate, synchronizer
+
 # VmHWM, not ru_maxrss: the latter survives exec, so a child would inherit its parent's high-water mark.
 # RssFile is the checkpoint's page cache reached through safetensors' memory map (shared, reclaimable);
 # RssAnon is memory the process owns (copies, casts, int8 tensors).
@@ -62,7 +64,6 @@ def hf_layer_throughput(
     from swarm.hf.loader import CheckpointReader, load_hf_config
     from swarm.hf.lora import attach_lora
     from swarm.hf.stage import parse_dtype
-    from swarm.measure import best_rate, synchronizer
 
     dev, compute = torch.device(device), parse_dtype(dtype)
     names = set(CheckpointReader(path).files)  # shard headers only: the tensor names say the layout
