@@ -15,16 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.config import PROTOCOL_VERSION
+from swarm.dht_keys import export_public_key, load_or_create_private_key, public_key_fingerprint
 from swarm.dht_node import OwnedDHT
-from swarm.dht_records import (
-    dht_record_validators,
-    export_public_key,
-    list_peers,
-    load_or_create_private_key,
-    public_key_fingerprint,
-    publish_plan,
-)
-from swarm.dht_schema import PeerRecord, Plan, validate_swarm_name
+from swarm.dht_records import dht_record_validators, list_peers, publish_plan
+from swarm.dht_schema import PeerRecord, Plan, PlannedLayer, validate_swarm_name
 from swarm.record_signing import KeyPins, RecordSignatureError
 
 log = logging.getLogger(__name__)
@@ -120,6 +114,7 @@ def make_plan(
     fingerprints: dict[str, str] | None = None,
     public_keys: dict[str, str] | None = None,
     coordinator_tls_fingerprint: str = "",
+    layer: PlannedLayer | None = None,
     swarm: str,
     run_id: str,
     version: int,
@@ -130,7 +125,8 @@ def make_plan(
     """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage; ``fingerprints``: the
     TLS certificate each peer's record announced, which its neighbours pin (signed with the plan);
     ``public_keys``: the key each peer's record is signed with (pinned at join), which signs its calls;
-    ``coordinator_tls_fingerprint``: the Control service's certificate, which every peer pins ("" in clear)."""
+    ``coordinator_tls_fingerprint``: the Control service's certificate, which every peer pins ("" in clear);
+    ``layer``: the layer peers measure their speed on."""
     return Plan.model_validate(
         {
             "swarm": swarm,
@@ -139,6 +135,7 @@ def make_plan(
             "model_name": model_name,
             "coordinator": coordinator,
             "coordinator_tls_fingerprint": coordinator_tls_fingerprint,
+            "layer": layer.model_dump() if layer is not None else None,
             "protocol_version": PROTOCOL_VERSION,
             "issued_at": time.time(),
             "stages": [

@@ -29,7 +29,7 @@ from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
 from coordinator.progress import Progress
 from coordinator.reachability import Unarrangeable, arrange
 from coordinator.run_state import CoordinatorState, read_events, save_state
-from coordinator.status_view import (
+from coordinator.status_data import (
     ExcludedPeer,
     RunStatus,
     SwarmStatus,
@@ -42,6 +42,7 @@ from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_records import seal_plan
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.identity import plan_keys
+from swarm.measure import planned_layer
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
 from swarm.metrics import MetricsServer
 from swarm.multiaddrs import grpc_target_to_multiaddr
@@ -667,6 +668,7 @@ class SwarmRun:
             fingerprints=self.fingerprints,
             public_keys=self.public_keys,
             coordinator_tls_fingerprint=self.tls_fingerprint,
+            layer=planned_layer(self.s.model, self.s.train, self.s.hf),
             swarm=self.s.swarm,
             run_id=self.run_id,
             version=self.plan_version,

@@ -29,10 +29,10 @@ from peer.stage_service import StageService
 from swarm import auth, limits, tls
 from swarm.checkpoint import state_digest
 from swarm.codec_policy import WirePolicy
-from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, HFConfig
+from swarm.config import PROTOCOL_VERSION, HFConfig
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.identity import plan_keys
-from swarm.measure import device_name, free_memory_bytes, layer_throughput
+from swarm.measure import device_name, free_memory_bytes, planned_throughput
 from swarm.messages import AssignmentError, assignment_configs, check_assignment
 from swarm.messages import assignment_neighbours as neighbours
 from swarm.metrics import MetricsServer
@@ -273,8 +273,7 @@ class PeerDaemon:
         return reachable
 
     async def _measure(self, plan: Plan, reachable: bool = True) -> PeerRecord:
-        cfg = MODEL_PRESETS.get(plan.model_name, MODEL_PRESETS["gpt-small"])
-        throughput = await self.run_compute(layer_throughput, cfg, self.device)
+        throughput = await self.run_compute(planned_throughput, plan, self.device, self.settings.hf_path)
         try:
             up, down = await measure_bandwidth(await self.control_channel(ControlAddress.of(plan)))
         except tls.TlsError as e:

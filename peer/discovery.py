@@ -16,8 +16,9 @@ from functools import partial
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.config import PROTOCOL_VERSION
+from swarm.dht_keys import load_public_key
 from swarm.dht_node import OwnedDHT
-from swarm.dht_records import announce_peer, dht_record_validators, fetch_plan, load_public_key, withdraw_peer
+from swarm.dht_records import announce_peer, dht_record_validators, fetch_plan, withdraw_peer
 from swarm.dht_schema import PeerRecord, Plan, validate_swarm_name
 from swarm.record_signing import new_key
 

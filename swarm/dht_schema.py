@@ -148,6 +148,25 @@ class PlanStage(_Strict):
         return self
 
 
+class PlannedLayer(_Strict):
+    """One layer of the run's model as a peer benchmarks it before it joins (``swarm.measure``).
+
+    Placement sizes blocks from each peer's measured layer throughput, so the peer must measure the
+    model actually planned, at the run's micro-batch; it learns it here because it measures before it
+    has an assignment. ``hf_path`` is the coordinator's checkpoint directory ("" for the built-in GPT):
+    the peer builds one layer of that architecture from its ``config.json`` with random weights.
+    """
+
+    d_model: Annotated[int, Field(ge=1, le=MAX_LAYERS)]
+    n_heads: Annotated[int, Field(ge=1, le=MAX_LAYERS)]
+    context: Annotated[int, Field(ge=1, le=2**20)]
+    micro_batch_size: Annotated[int, Field(ge=1, le=MAX_LAYERS)]
+    hf_path: Annotated[str, Field(max_length=4096)] = ""
+    hf_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    hf_int8: bool = False
+    lora_rank: Annotated[int, Field(ge=0, le=MAX_LAYERS)] = 0
+
+
 class Plan(_Strict):
     """The coordinator's plan: which peers serve which layers in run ``run_id``.
 
@@ -165,6 +184,7 @@ class Plan(_Strict):
     coordinator: Multiaddress  # the coordinator's Control gRPC service, dialled by the peers
     protocol_version: Annotated[int, Field(ge=0, le=MAX_UINT32)]
     coordinator_tls_fingerprint: TlsFingerprint = ""  # set: Control speaks TLS with exactly this certificate
+    layer: PlannedLayer | None = None  # what peers measure themselves on (None: a coordinator from before)
 
     @field_validator("coordinator")
     @classmethod

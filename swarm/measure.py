@@ -1,18 +1,29 @@
 """What a peer measures about itself before it joins: device, free memory, compute throughput.
 
-The planner needs comparable numbers from very different machines, so the benchmark is the real
-work at the model's width: forward and backward of one transformer layer on a micro-batch.
+The planner needs comparable numbers from very different machines, so the benchmark is the real work of
+the run: forward and backward of one layer of the planned model on one of the run's micro-batches. The
+signed plan says which (``swarm.dht_schema.PlannedLayer``, filled by the coordinator with
+:func:`planned_layer`): the built-in GPT at the run's ``ModelConfig``, or one layer of a Hugging Face
+checkpoint in its own architecture, dtype and int8 base with LoRA adapters, built from ``config.json``
+with random weights (``swarm.hf.measure``): speed does not depend on the values, so no weights are read.
+
+Measuring runs at every peer start, often on cores that other processes share, so it is short and keeps
+the fastest of a few short repeats (``swarm.bench.best_rate`` says why).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import time
 
 import torch
 
-from swarm.config import ModelConfig
+from swarm.bench import best_rate, synchronizer
+from swarm.config import MODEL_PRESETS, HFConfig, ModelConfig, TrainConfig
+from swarm.dht_schema import Plan, PlannedLayer
 from swarm.model import TransformerLayer
+
+log = logging.getLogger(__name__)
 
 
 def device_name(device: str) -> str:
@@ -31,8 +42,54 @@ def free_memory_bytes(device: str) -> int:
         return 0
 
 
-def layer_throughput(cfg: ModelConfig, device: str, *, batch: int = 4, seconds: float = 0.5) -> float:
-    """Forward+backward passes of one layer per second on a (batch, context) micro-batch."""
+def planned_layer(model: ModelConfig, train: TrainConfig, hf: HFConfig | None) -> PlannedLayer:
+    """What the coordinator tells peers to measure: one layer of this run's model on one micro-batch."""
+    return PlannedLayer(
+        d_model=model.d_model,
+        n_heads=model.n_heads,
+        context=model.context,
+        micro_batch_size=train.micro_batch_size,
+        hf_path=hf.path if hf is not None else "",
+        hf_dtype=hf.dtype if hf is not None else "bf16",
+        hf_int8=hf is not None and hf.int8,
+        lora_rank=hf.lora_rank if hf is not None else 0,
+    )
+
+
+def planned_throughput(plan: Plan, device: str, hf_path: str = "") -> float:
+    """Layer passes per second on the layer ``plan`` names; ``hf_path``: this peer's copy of the checkpoint.
+
+    A checkpoint that cannot be read here is measured as a GPT layer of its width instead (with a warning):
+    the peer still announces, and the assignment then fails with the reason for the coordinator to see.
+    """
+    layer = plan.layer
+    if layer is None:  # a coordinator that did not say: its model by preset name, as before
+        return layer_throughput(MODEL_PRESETS.get(plan.model_name, MODEL_PRESETS["gpt-small"]), device)
+    if layer.hf_path:
+        path = hf_path or layer.hf_path
+        try:
+            from swarm.hf.measure import hf_layer_throughput
+
+            return hf_layer_throughput(
+                path,
+                device,
+                dtype=layer.hf_dtype,
+                int8=layer.hf_int8,
+                lora_rank=layer.lora_rank,
+                context=layer.context,
+                batch=layer.micro_batch_size,
+            )
+        except (ImportError, OSError, ValueError, KeyError, NotImplementedError) as e:
+            log.warning(
+                "cannot measure a layer of the checkpoint at %s (%s); measuring a GPT layer of its width", path, e
+            )
+    heads = layer.n_heads if layer.d_model % layer.n_heads == 0 else 1
+    cfg = ModelConfig(n_layers=1, d_model=layer.d_model, n_heads=heads, context=layer.context)
+    return layer_throughput(cfg, device, batch=layer.micro_batch_size)
+
+
+def layer_throughput(cfg: ModelConfig, device: str, *, batch: int = 4) -> float:
+    """Forward+backward passes of one built-in GPT layer per second on a (batch, context) micro-batch."""
     dev = torch.device(device)
     layer = TransformerLayer(cfg).to(dev)
     x = torch.randn(batch, cfg.context, cfg.d_model, device=dev, requires_grad=True)
@@ -40,13 +97,4 @@ def layer_throughput(cfg: ModelConfig, device: str, *, batch: int = 4, seconds: 
     def once() -> None:
         layer(x).sum().backward()
 
-    once()  # warm-up: allocations, kernels
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n < 2:
-        once()
-        n += 1
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return n / (time.perf_counter() - t0)
+    return best_rate(once, sync=synchronizer(dev))

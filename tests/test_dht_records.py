@@ -27,21 +27,23 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic import ValidationError
 
-from swarm.dht_records import (
-    PlanVerificationError,
-    announce_peer,
-    dht_record_validators,
+from swarm.dht_keys import (
     export_public_key,
-    fetch_plan,
     generate_private_key,
-    list_peers,
     load_or_create_private_key,
     load_private_key,
     load_public_key,
     plan_subkey,
     public_key_fingerprint,
-    publish_plan,
     save_private_key,
+)
+from swarm.dht_records import (
+    PlanVerificationError,
+    announce_peer,
+    dht_record_validators,
+    fetch_plan,
+    list_peers,
+    publish_plan,
     seal_plan,
     verify_plan,
     withdraw_peer,

@@ -11,7 +11,8 @@ from hivemind.utils import get_dht_time
 from coordinator.membership import Membership, MembershipSettings, make_plan
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
 from swarm.config import PROTOCOL_VERSION
-from swarm.dht_records import dht_record_validators, generate_private_key, plan_subkey, publish_plan, seal_plan
+from swarm.dht_keys import generate_private_key, plan_subkey
+from swarm.dht_records import dht_record_validators, publish_plan, seal_plan
 from swarm.dht_schema import plan_key
 from swarm.messages import AssignmentError, check_assignment
 from swarm.pb import control_pb2 as cpb

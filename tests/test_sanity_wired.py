@@ -16,7 +16,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from coordinator.status_view import SwarmStatus, renderable, status_json
+from coordinator.status_data import SwarmStatus
+from coordinator.status_verdict import status_json
+from coordinator.status_view import renderable
 from coordinator.swarm_run import PeerSession, RunFailed, RunSettings, SwarmRun
 from peer.daemon import PeerDaemon
 from peer.faults import PoisonedPolicy, wire_policy

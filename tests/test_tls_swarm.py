@@ -179,7 +179,8 @@ def test_fingerprints_in_records_and_plans_are_validated_and_signed_with_the_pla
 
 def test_the_coordinator_fingerprint_is_sealed_with_the_plan_and_an_old_plan_reads_as_cleartext() -> None:
     from coordinator.membership import make_plan
-    from swarm.dht_records import PlanVerificationError, generate_private_key, seal_plan, verify_plan
+    from swarm.dht_keys import generate_private_key
+    from swarm.dht_records import PlanVerificationError, seal_plan, verify_plan
     from swarm.dht_schema import Plan
 
     fp = tls.generate_self_signed().fingerprint

@@ -1,4 +1,11 @@
-"""Reproduce the numbers in docs/finetune.md: memory of a block and logits error of bf16 / int8 vs fp32.
+"""Measure HF blocks: a peer's layer throughput on the planned checkpoint, and the numbers in docs/finetune.md.
+
+:func:`hf_layer_throughput` is what a peer runs before it joins (``swarm.measure.planned_throughput``):
+one decoder layer of the checkpoint's own architecture, built from its ``config.json`` with random
+weights (speed does not depend on the values, and a peer must not read gigabytes to start), in the run's
+dtype, with the int8 base and LoRA adapters the run trains, forward and backward like a middle stage.
+
+The command line reproduces docs/finetune.md: memory of a block and logits error of bf16 / int8 vs fp32.
 
     python -m swarm.hf.measure PATH --split 0:2,2:4        # a real local checkpoint
     python -m swarm.hf.measure /tmp/rand --random llama --hidden 2048 --layers 4
@@ -16,6 +23,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from swarm.bench import best_rate, synchronizer
 
 # VmHWM, not ru_maxrss: the latter survives exec, so a child would inherit its parent's high-water mark.
 # RssFile is the checkpoint's page cache reached through safetensors' memory map (shared, reclaimable);
@@ -36,6 +45,66 @@ after = status()
 growth = {f"{k}_growth_bytes": after[k] - before[k] for k in before}
 print(json.dumps({"weight_bytes": m.weight_bytes(), **growth}))
 """
+
+
+def hf_layer_throughput(
+    path: str | Path,
+    device: str,
+    *,
+    dtype: str,
+    int8: bool,
+    lora_rank: int,
+    context: int,
+    batch: int,
+) -> float:
+    """Forward+backward passes per second of one random layer of the checkpoint at ``path`` on a
+    (batch, context) micro-batch, as a middle stage runs it: frozen base, gradients to the adapters and input.
+    """
+    from swarm.hf.arch import architecture_for
+    from swarm.hf.loader import CheckpointReader, load_hf_config
+    from swarm.hf.lora import attach_lora
+    from swarm.hf.stage import parse_dtype
+
+    dev, compute = torch.device(device), parse_dtype(dtype)
+    names = set(CheckpointReader(path).files)  # shard headers only: the tensor names say the layout
+    arch = architecture_for(load_hf_config(path), names)
+    with torch.device(dev):
+        layer = arch.new_layer(0).to(compute)
+    layer.requires_grad_(False)
+    if int8:
+        _quantize(layer, compute)
+    if lora_rank > 0:
+        attach_lora(
+            layer,
+            targets=arch.lora_targets,
+            rank=lora_rank,
+            alpha=2.0 * lora_rank,
+            name_prefix=arch.layer_tensor_prefix(0),
+        )
+    rotary = arch.new_rotary(dev)
+    received = torch.randn(batch, context, arch.hidden_size, device=dev, requires_grad=True)  # fp32 off the wire
+    position_ids = torch.arange(context, device=dev)[None, :]
+
+    def once() -> None:
+        h = received.to(compute)
+        mask = arch.masks(h, position_ids, [0])[0]
+        rope = rotary(h, position_ids) if rotary is not None else None
+        arch.run_layer(layer, h, mask, position_ids, rope).float().sum().backward()
+
+    return best_rate(once, sync=synchronizer(dev))
+
+
+def _quantize(layer: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every linear (and GPT-2 ``Conv1D``) of ``layer`` as an ``Int8Linear``, as ``HFStageModel`` stores the base."""
+    from transformers.pytorch_utils import Conv1D
+
+    from swarm.hf.quant import Int8Linear
+
+    for name, child in list(layer.named_modules()):
+        if isinstance(child, torch.nn.Linear | Conv1D):
+            conv = isinstance(child, Conv1D)
+            int8 = Int8Linear.from_weight(child.weight, child.bias, dtype=dtype, transposed=conv)
+            layer.set_submodule(name, int8.to(child.weight.device))
 
 
 def block_memory(path: Path, start: int, end: int, dtype: str, int8: bool) -> dict[str, int]:
