@@ -33,7 +33,7 @@ from coordinator.reachability import conflicts
 from swarm.config import PROTOCOL_VERSION, ModelConfig, TrainConfig
 from swarm.dht_schema import PeerRecord
 
-FAST = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 MEDIUM = ModelConfig(n_layers=6, d_model=256, n_heads=8, context=128)  # gpt-medium
 TRAIN = TrainConfig(micro_batches=4, micro_batch_size=4)  # fp32 on the wire: link terms at their largest
 
@@ -72,8 +72,8 @@ def brute(peers: list[PeerSpec], m: ModelSpec, even: bool = False) -> float:
 
 @st.composite
 def swarms(draw, max_peers: int = 4, max_layers: int = 6):
-    L = draw(st.integers(1, max_layers))
-    n = draw(st.integers(1, min(max_peers, L)))
+    L = draw(st.integers(2, max_layers))
+    n = draw(st.integers(2, min(max_peers, L)))
     uniform = draw(st.booleans())
     pos = st.floats(0.3, 3.0)
     if uniform:
@@ -91,7 +91,7 @@ def swarms(draw, max_peers: int = 4, max_layers: int = 6):
         PeerSpec(
             f"p{i}",
             speed=draw(st.floats(0.1, 10.0)),
-            free_memory=100.0 * draw(st.integers(1, 2 * L)),
+            free_memory=100.0 * draw(st.integers(1, 4 * L // n)),
             upload=draw(st.floats(0.5, 10.0)),
             download=draw(st.floats(0.5, 10.0)),
             reachable=draw(st.booleans()) if draw(st.booleans()) else True,
