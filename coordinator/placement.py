@@ -142,7 +142,7 @@ def place(
         raise TooManyStages(f"{stages} stages for a model of {n_layers} layers: at most one stage per layer")
     peers = steady(peers, noise)
     cm = CostModel(peers, model)
-    n = min(stages or len(peers), n_layers)
+    n = min(stages or len(peers), n_layers, len(peers))  # a re-plan may have fewer peers than stages
     by_rank = sorted(peers, key=lambda p: (p.reachable, -p.speed, p.peer_id))  # NAT first, then fastest
     chain, spares = by_rank[:n], by_rank[n:]
     if spares:

@@ -253,6 +253,7 @@ def test_spares_replicate_the_slowest_stage_never_the_first() -> None:
     pinned = place(peers, spec, stages=3, replicate=1)
     assert pinned.blocks[1].peer_ids[1:] == ("slow",)
     assert pinned.blocks[1].time < pinned.blocks[2].time  # a replica shares the stage's micro-batches
+    assert sizes_of(place(peers[:2], spec, stages=3)) == [3, 3]  # survivors of a 3-stage run: 2 stages
     more_than_layers = place(peer_specs([record(f"p{i}", 20.0) for i in range(8)]), spec)
     assert len(more_than_layers.blocks) == 6 and len(more_than_layers.blocks[0].peer_ids) == 1
 
