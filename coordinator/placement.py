@@ -13,8 +13,10 @@ gets the same placement and a future ``ravn plan`` can ask about hypothetical pe
    (every such order while that is cheap, else fastest-first and by id, arranged by
    ``reachability.arrange``) an exact dynamic programme sizes the blocks to minimise the slowest stage,
    once freely and once among even splits (sizes differ by at most one layer).
-4. **Stability.** The even split wins unless the best free split predicts more than
-   ``MIN_GAIN_OVER_EVEN`` more throughput (Petals likewise moves blocks only past a balance threshold).
+4. **Stability.** Among peers equal within noise the even split wins unless the best free split (which
+   then differs only through links and memory) predicts more than ``MIN_GAIN_OVER_EVEN`` more throughput
+   (Petals likewise moves blocks only past a balance threshold); peers that differ beyond noise get the
+   free optimum, so a truly faster peer is never held back by the margin.
 5. **Replicas.** Each spare, fastest first, joins the stage predicted slowest (or ``replicate``); the
    first stage holds the data source and is never replicated.
 """
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 SPEED_NOISE = 3.0  # measurements within this factor of the median are noise: 2-3x seen among identical peers
-MIN_GAIN_OVER_EVEN = 0.2  # a speed-weighted split must predict >20% more throughput than the even one
+MIN_GAIN_OVER_EVEN = 0.2  # among equal peers, an uneven split must predict >20% more throughput than the even one
 _EXHAUSTIVE_BUDGET = 200_000  # DP steps (orders x peers x layers^2) up to which every peer order is tried
 
 
@@ -161,7 +163,8 @@ def place(
             f"no split of {n_layers} layers over {n} peers fits their memory (a layer needs up to {per_layer:.3g} "
             f"bytes; the peers have {', '.join(f'{p.peer_id} {p.free_memory:.3g}' for p in chain)})"
         )
-    use_even = math.isfinite(even[0]) and even[0] <= free[0] * (1.0 + margin)
+    equals = len({p.speed for p in chain}) == 1  # within noise: only links and memory can favour a free split
+    use_even = math.isfinite(even[0]) and even[0] <= free[0] * (1.0 + (margin if equals else 0.0))
     _, order, bounds = even if use_even else free
     groups = [[cm.index[p]] for p in order]
     blocks = list(itertools.pairwise(bounds))
