@@ -1,7 +1,7 @@
 """What one pipeline stage costs a peer, per micro-batch, in seconds.
 
-The planner and the rebalancer both ask the same question thousands of times ("how long does
-peer p take for block [a, b)?"), so the answer lives here, once, vectorised over peers.
+Placement (``coordinator/placement.py``) asks the same question for every block of every candidate
+order ("how long does peer p take for block [a, b)?"), so the answer lives here, once, vectorised.
 
 Model (one micro-batch, forward and backward together, steady state):
 
@@ -30,11 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CostModel", "InfeasiblePlanError", "ModelSpec", "PeerSpec"]
-
-
-class InfeasiblePlanError(ValueError):
-    """No plan can cover every layer with the peers given (no peers, or too little memory)."""
+__all__ = ["CostModel", "ModelSpec", "PeerSpec"]
 
 
 def _finite_nonneg(name: str, value: float) -> float:
@@ -57,7 +53,8 @@ class PeerSpec:
 
     ``speed`` is in the model's cost units per second (see ``ModelSpec.layer_cost``); a peer that
     measured ``x`` seconds per layer per micro-batch on a model with unit layer costs has
-    ``speed = 1 / x``. Bandwidths are bytes per second; memory is bytes free for its block.
+    ``speed = 1 / x``. Bandwidths are bytes per second; memory is bytes free for its block. A peer that
+    is not ``reachable`` (behind NAT) cannot accept connections, so placement keeps two such peers apart.
     """
 
     peer_id: str
@@ -65,6 +62,7 @@ class PeerSpec:
     free_memory: float
     upload: float
     download: float
+    reachable: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -149,75 +147,28 @@ class CostModel:
         self.inv_up = np.array([1.0 / p.upload for p in self.peers], dtype=np.float64)
         self.inv_down = np.array([1.0 / p.download for p in self.peers], dtype=np.float64)
         self.memory = np.array([p.free_memory for p in self.peers], dtype=np.float64)
-        self.speed = np.array([p.speed for p in self.peers], dtype=np.float64)
         self.cost_cum = np.concatenate(([0.0], np.cumsum(model.layer_cost)))
         self.mem_cum = np.concatenate(([0.0], np.cumsum(model.layer_memory)))
         # Boundary arrays indexed 0..L; the pipeline's two ends carry nothing.
         self.fwd = np.concatenate(([0.0], model.forward_bytes, [0.0]))
         self.bwd = np.concatenate(([0.0], model.backward_bytes, [0.0]))
-        # Identical layers and boundaries make a peer's reach position-independent (see planner).
-        self.uniform = all(
-            len(set(v)) <= 1 for v in (model.layer_cost, model.layer_memory, model.forward_bytes, model.backward_bytes)
-        )
 
-    @property
-    def n_peers(self) -> int:
-        return len(self.peers)
-
-    def block_memory(self, a: int, b: int) -> float:
-        return float(self.mem_cum[b] - self.mem_cum[a])
-
-    def times_from(self, idx: np.ndarray, a: int, b_lo: int, b_hi: int) -> np.ndarray:
-        """Times of blocks ``[a, b)`` for ``b`` in ``b_lo..b_hi``: shape ``(len(idx), b_hi - b_lo + 1)``."""
-        bs = np.arange(b_lo, b_hi + 1)
-        cost = self.cost_cum[bs] - self.cost_cum[a]
-        mem = self.mem_cum[bs] - self.mem_cum[a]
-        recv = self.fwd[a] + self.bwd[bs]
-        send = self.fwd[bs] + self.bwd[a]
+    def times(self, idx: np.ndarray | int, a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
+        """Seconds per micro-batch of peers ``idx`` on blocks ``[a, b)``, broadcast elementwise
+        (``inf`` where the block does not fit the peer's memory or is empty)."""
+        idx, a, b = np.asarray(idx), np.asarray(a), np.asarray(b)
         t = (
-            self.inv_speed[idx, None] * cost[None, :]
-            + self.inv_down[idx, None] * recv[None, :]
-            + self.inv_up[idx, None] * send[None, :]
+            self.inv_speed[idx] * (self.cost_cum[b] - self.cost_cum[a])
+            + self.inv_down[idx] * (self.fwd[a] + self.bwd[b])
+            + self.inv_up[idx] * (self.fwd[b] + self.bwd[a])
         )
-        return np.where(self.memory[idx, None] >= mem[None, :], t, np.inf)
-
-    def times_to(self, idx: np.ndarray, b: int, a_lo: int, a_hi: int) -> np.ndarray:
-        """Times of blocks ``[a, b)`` for ``a`` in ``a_lo..a_hi``: shape ``(len(idx), a_hi - a_lo + 1)``."""
-        as_ = np.arange(a_lo, a_hi + 1)
-        cost = self.cost_cum[b] - self.cost_cum[as_]
-        mem = self.mem_cum[b] - self.mem_cum[as_]
-        recv = self.fwd[as_] + self.bwd[b]
-        send = self.fwd[b] + self.bwd[as_]
-        t = (
-            self.inv_speed[idx, None] * cost[None, :]
-            + self.inv_down[idx, None] * recv[None, :]
-            + self.inv_up[idx, None] * send[None, :]
-        )
-        return np.where(self.memory[idx, None] >= mem[None, :], t, np.inf)
-
-    def times_grid(self, idx: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Times of every block ``[a, b)``: shape ``(len(idx), len(starts), len(ends))``, ``inf``
-        where the block does not fit or is empty (``b <= a``)."""
-        a, b = np.asarray(starts)[:, None], np.asarray(ends)[None, :]
-        cost = self.cost_cum[b] - self.cost_cum[a]
-        mem = np.where(b > a, self.mem_cum[b] - self.mem_cum[a], np.inf)
-        recv = self.fwd[a] + self.bwd[b]
-        send = self.fwd[b] + self.bwd[a]
-        t = (
-            self.inv_speed[idx, None, None] * cost[None]
-            + self.inv_down[idx, None, None] * recv[None]
-            + self.inv_up[idx, None, None] * send[None]
-        )
-        return np.where(self.memory[idx, None, None] >= mem[None], t, np.inf)
-
-    def block_times(self, idx: np.ndarray, a: int, b: int) -> np.ndarray:
-        """Each listed peer's time for block ``[a, b)`` (``inf`` where it does not fit)."""
-        return self.times_from(idx, a, b, b)[:, 0]
+        fits = (b > a) & (self.memory[idx] >= self.mem_cum[b] - self.mem_cum[a])
+        return np.where(fits, t, np.inf)
 
     def stage_time(self, idx: Sequence[int] | np.ndarray, a: int, b: int) -> float:
         """Time of block ``[a, b)`` served by the replicas ``idx`` together (``inf`` if none can)."""
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size == 0:
             return math.inf
-        rate = float(np.sum(1.0 / self.block_times(idx, a, b)))
+        rate = float(np.sum(1.0 / self.times(idx, a, b)))
         return math.inf if rate <= 0.0 else 1.0 / rate

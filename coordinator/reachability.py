@@ -1,10 +1,9 @@
-"""Keep a reachable peer at every pipeline boundary, and say who dials whom.
+"""Keep a reachable peer at every pipeline boundary (the NAT rule of ``coordinator/placement.py``).
 
 Between two neighbouring stages one side must accept a connection. A peer behind home NAT cannot, so
-two such peers must never be neighbours: this module reorders the planner's peers (keeping its block
-sizes) until every boundary has a reachable side, or explains why that is impossible. The dial rule is
-then simple: the upstream peer dials, unless the downstream one is unreachable, in which case the
-downstream peer dials up. Pure functions, so the rule is tested alone.
+two such peers must never be neighbours: ``arrange`` reorders a chain of peers, before placement sizes
+their blocks, until every boundary has a reachable side, or explains why that is impossible. Who then
+dials whom is derived from the signed plan by ``swarm.plan_view``. Pure functions, tested alone.
 """
 
 from __future__ import annotations
@@ -58,11 +57,3 @@ def arrange(order: Sequence[str], reachable: Mapping[str, bool]) -> list[str]:
         if conflicts(order, reachable):
             raise Unarrangeable("no order keeps a reachable peer at every boundary")
     return order
-
-
-def dial_flags(order: Sequence[str], reachable: Mapping[str, bool], index: int) -> tuple[bool, bool]:
-    """(dial_upstream, accept_downstream) for the peer at ``index``."""
-    me = order[index]
-    dial_upstream = index > 0 and not reachable[me]
-    accept_downstream = index + 1 < len(order) and not reachable[order[index + 1]]
-    return dial_upstream, accept_downstream

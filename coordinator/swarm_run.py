@@ -23,11 +23,10 @@ from coordinator.artifacts import RunArtifacts
 from coordinator.call_checks import checkpoint_window
 from coordinator.checkpoint_store import CheckpointStore
 from coordinator.control_service import ControlService
-from coordinator.cost_model import CostModel, InfeasiblePlanError
 from coordinator.membership import Membership, make_plan
-from coordinator.plan_inputs import model_spec, peer_specs, plan_every_peer
+from coordinator.placement import PlacementError, Unarrangeable, place
+from coordinator.plan_inputs import model_spec, peer_specs
 from coordinator.progress import Progress
-from coordinator.reachability import Unarrangeable, arrange
 from coordinator.run_state import CoordinatorState, read_events, save_state
 from coordinator.status_data import (
     ExcludedPeer,
@@ -558,8 +557,7 @@ class SwarmRun:
 
     # ---- membership and the plan ----------------------------------------------------------------
     def _plan_for(self, records: list[PeerRecord]) -> Plan:
-        """Contiguous blocks sized by each peer's measured throughput, memory and link (one peer per block),
-        with peers behind NAT kept apart so that every boundary has a side that accepts connections."""
+        """The placement of ``coordinator/placement.py`` (chain, replicas, NAT rule) as a signed plan."""
         self.reachable = {r.peer_id: r.reachable is not False for r in records}
         blocks, groups, throughput = self._layout(records)
         endpoints = {r.peer_id: r.endpoint for r in records}
@@ -582,57 +580,15 @@ class SwarmRun:
 
     def _layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
         """Blocks, their holders in pipeline order and the predicted micro-batches/s (no side effects)."""
-        reachable = {r.peer_id: r.reachable is not False for r in records}
-        chain, spare = self._chain_and_spare(records, reachable)
         spec = model_spec(self.s.model, self.s.train, self.s.hf)
         try:
-            partition = plan_every_peer(peer_specs(chain), spec)
-        except InfeasiblePlanError as e:
-            raise RunFailed(f"no plan fits these peers: {e}") from None
-        blocks = [(st.layer_start, st.layer_end) for st in partition.stages]
-        try:
-            order = arrange([st.peer_ids[0] for st in partition.stages], reachable)
+            placed = place(peer_specs(records), spec, stages=self.s.stages, replicate=self.s.replicate)
         except Unarrangeable as e:
             raise RunFailed(f"blocked on reachability: {e}") from None
-        groups = [[p] for p in order]
-        throughput = self._place_replicas(records, blocks, groups, spare, spec) if spare else partition.throughput
-        return blocks, groups, throughput
-
-    def _chain_and_spare(
-        self, records: list[PeerRecord], reachable: dict[str, bool]
-    ) -> tuple[list[PeerRecord], list[PeerRecord]]:
-        """With ``--stages N`` (or more peers than layers): the N that hold the chain, and the spares that
-        become replicas.
-
-        Peers behind NAT always hold a chain block (replicas must accept connections from both sides);
-        then the fastest reachable peers; the slowest reachable ones are the spares.
-        """
-        n = min(self.s.stages or len(records), self.s.model.n_layers)
-        if n >= len(records):
-            return records, []
-        if n < 1 or (n == 1 and len(records) > 1):
-            raise RunFailed("with replicas the pipeline needs at least 2 stages (the first stage is never replicated)")
-        by_speed = sorted(records, key=lambda r: (reachable[r.peer_id], -r.throughput_layers_per_s, r.peer_id))
-        chain = by_speed[:n]
-        return sorted(chain, key=lambda r: r.peer_id), by_speed[n:]
-
-    def _place_replicas(
-        self, records: list[PeerRecord], blocks: list[tuple[int, int]], groups: list[list[str]], spare, spec
-    ) -> float:
-        """Each spare peer joins the stage predicted slowest (or ``--replicate``); returns micro-batches/s."""
-        cm = CostModel(peer_specs(records), spec)
-        if self.s.replicate == 0:
-            raise RunFailed("the first stage holds the data source and cannot be replicated (--replicate >= 1)")
-        if self.s.replicate >= len(blocks):
-            raise RunFailed(f"--replicate {self.s.replicate}: the pipeline has only stages 0..{len(blocks) - 1}")
-
-        def stage_time(i: int) -> float:
-            return cm.stage_time([cm.index[p] for p in groups[i]], *blocks[i])
-
-        for r in sorted(spare, key=lambda r: -r.throughput_layers_per_s):
-            target = self.s.replicate if self.s.replicate > 0 else max(range(1, len(blocks)), key=stage_time)
-            groups[target].append(r.peer_id)
-        return 1.0 / max(stage_time(i) for i in range(len(blocks)))
+        except PlacementError as e:
+            raise RunFailed(f"no plan fits these peers: {e}") from None
+        blocks = [(b.layer_start, b.layer_end) for b in placed.blocks]
+        return blocks, [list(b.peer_ids) for b in placed.blocks], placed.throughput
 
     def _replicated(self, peer_id: str) -> bool:
         """Does another planned peer still hold this peer's block?"""

@@ -1,10 +1,10 @@
-"""Peers behind NAT are kept apart and dial their neighbours (pure rules; the lab test runs it for real)."""
+"""Peers behind NAT are kept apart (pure rule; placement applies it, the lab test runs it for real)."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.reachability import Unarrangeable, arrange, conflicts, dial_flags
+from coordinator.reachability import Unarrangeable, arrange, conflicts
 
 
 def test_unreachable_peers_are_separated_with_few_moves() -> None:
@@ -20,10 +20,3 @@ def test_too_many_unreachable_peers_are_reported_not_hung() -> None:
         arrange(["a", "b", "c", "d"], {"a": False, "b": False, "c": True, "d": False})
     order = arrange(["a", "b", "c"], {"a": False, "b": False, "c": True})
     assert order == ["a", "c", "b"]  # one move: b trades places with c, the only reachable peer
-
-
-def test_dial_direction_follows_reachability() -> None:
-    order, reach = ["a", "b", "c"], {"a": True, "b": False, "c": True}
-    assert dial_flags(order, reach, 0) == (False, True)  # a accepts b's dial
-    assert dial_flags(order, reach, 1) == (True, False)  # b dials a, and dials c as usual
-    assert dial_flags(order, reach, 2) == (False, False)  # c is dialled by b
