@@ -16,15 +16,12 @@ does not expect), raised before anything is stored. Without a swarm token nobody
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import grpc
 
 from swarm.identity import IdentityError, check_caller
 from swarm.pb import control_pb2 as cpb
-
-if TYPE_CHECKING:
-    from coordinator.swarm_run import SwarmRun
 
 # How far past the newest reported step a stage's checkpoint may be: reports arrive once a second and a
 # stage may run ahead of the step reports by its staleness bound; a real upload is never this far ahead.
@@ -39,12 +36,14 @@ class CallRefused(Exception):
         self.code = code
 
 
-def caller_is(run: SwarmRun, context: grpc.aio.ServicerContext, peer_id: str) -> None:
-    """CallRefused unless the call was made by ``peer_id`` itself."""
-    if not run.s.swarm_token:
+def caller_is(
+    swarm_token: str, peer_key: Callable[[str], str | None], context: grpc.aio.ServicerContext, peer_id: str
+) -> None:
+    """CallRefused unless the call was made by ``peer_id`` itself (``peer_key``: the key its plan pins)."""
+    if not swarm_token:
         return
     try:
-        check_caller(context, peer_id, run.peer_key(peer_id))
+        check_caller(context, peer_id, peer_key(peer_id))
     except IdentityError as e:
         raise CallRefused(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
 
@@ -58,14 +57,15 @@ def checkpoint_window(
     return restore_version, min(total_steps, heard + checkpoint_every + staleness + CHECKPOINT_LEAD)
 
 
-def upload_allowed(run: SwarmRun, chunk: cpb.StateChunk) -> None:
-    """CallRefused unless ``chunk`` is its sender's own block of the current plan, at an expected version."""
-    planned, session = run.planned.get(chunk.peer_id), run.sessions.get(chunk.peer_id)
-    if planned is None or session is None:
+def upload_allowed(held: tuple[int, int, int] | None, chunk: cpb.StateChunk, window: tuple[int, int]) -> None:
+    """CallRefused unless ``chunk`` is its sender's own block of the current plan, at an expected version.
+
+    ``held``: (stage, layer_start, layer_end) the plan gives the sender (None: no block); ``window``: the
+    versions a periodic checkpoint may carry now (:func:`checkpoint_window`)."""
+    if held is None:
         raise CallRefused(
             grpc.StatusCode.PERMISSION_DENIED, f"peer {chunk.peer_id!r} holds no block in the current plan"
         )
-    held = (session.stage, planned[0], planned[1])
     sent = (chunk.stage, chunk.layer_start, chunk.layer_end)
     if sent != held:
         raise CallRefused(
@@ -74,7 +74,7 @@ def upload_allowed(run: SwarmRun, chunk: cpb.StateChunk) -> None:
             f"not stage {sent[0]} layers [{sent[1]}, {sent[2]})",
         )
     if chunk.periodic:
-        low, high = run.checkpoint_window()
+        low, high = window
         if not low <= chunk.version <= high:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,

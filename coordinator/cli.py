@@ -13,8 +13,9 @@ from hivemind.p2p import P2PDaemonError
 
 from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, with_train_options
+from coordinator.run_settings import RunSettings, settings_record
 from coordinator.run_state import CoordinatorState, StateError, forget_run, load_state, settings_diff, state_path
-from coordinator.swarm_run import RunSettings, SwarmRun, settings_record
+from coordinator.swarm_run import SwarmRun
 from swarm.auth import load_or_create_token, parse_token
 from swarm.config_file import enable_config, remove_join_file, write_join_file
 from swarm.logs import setup_logging

@@ -1,6 +1,7 @@
 """The coordinator's gRPC face: peers join, report, and upload their blocks here.
 
-It only translates between the wire and the ``SwarmRun`` that owns all decisions; every bad request
+It only translates between the wire and the run, which it reaches through ``ControlHandlers`` (the few
+calls it needs, handed to it at construction; it never sees the run itself); every bad request
 gets a gRPC status naming what to fix (wrong protocol version, bad endpoint, duplicate name). A call that
 names a peer is served only to that peer, and an upload only for its own block at an expected version
 (coordinator/call_checks.py); Status, DialBack and Probe name no peer and serve any token holder.
@@ -11,25 +12,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
+import torch
 
-from coordinator import upload_checks
 from coordinator.call_checks import CallRefused, caller_is, upload_allowed
 from coordinator.checkpoint_store import StaleCheckpoint
+from coordinator.sessions import PeerSession
 from swarm.auth import authenticated_peer
 from swarm.config import PROTOCOL_VERSION
 from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.resume import ATTACHED_KEY, ResumeClaim
-from swarm.state_checks import decode_state
+from swarm.state_checks import BlockSpec, decode_state
 from swarm.transport import GRPC_OPTIONS
 from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
-
-if TYPE_CHECKING:
-    from coordinator.swarm_run import SwarmRun
 
 log = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 2 << 20
@@ -52,9 +52,32 @@ async def dial_back(target: str, timeout: float = DIAL_BACK_TIMEOUT) -> tuple[bo
             return False, f"no connection to {target} within {timeout:.0f} s (inbound connections blocked?)"
 
 
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ControlHandlers:
+    """What the Control service may ask of the run: nothing else is within its reach."""
+
+    swarm_token: str  # empty: no caller identity checks (tests only)
+    peer_key: Callable[[str], str | None]  # the key the plan pins for a peer
+    register: Callable[[cpb.JoinRequest, ResumeClaim | None], PeerSession]  # PermissionError / ValueError
+    lost: Callable[[str, str, PeerSession], None]  # a peer's control stream ended
+    known: Callable[[str], bool]  # has this peer joined?
+    on_report: Callable[[cpb.StatusReport], None]
+    held_block: Callable[[str], tuple[int, int, int] | None]  # (stage, layer_start, layer_end) in the plan
+    checkpoint_window: Callable[[], tuple[int, int]]  # the versions a periodic checkpoint may carry now
+    upload_limit: Callable[[], int]  # bytes of the largest planned block's state
+    upload_spec: Callable[[cpb.StateChunk], BlockSpec]  # what an upload of this block must contain
+    on_checkpoint: Callable[[cpb.StateChunk, Tensors, Tensors], None]  # on a worker thread; StaleCheckpoint
+    on_state: Callable[[str, int, Tensors], None]  # a peer's final block
+    fetch_state: Callable[[int, list[str]], tuple[Tensors, Tensors]]  # KeyError: no such checkpoint
+    status: Callable[[], dict]  # the status snapshot as JSON-ready data
+
+
 class ControlService(cgrpc.ControlServicer):
-    def __init__(self, run: SwarmRun) -> None:
-        self.run = run
+    def __init__(self, handlers: ControlHandlers) -> None:
+        self.handlers = handlers
 
     async def Join(self, request: cpb.JoinRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         if request.protocol_version != PROTOCOL_VERSION:
@@ -75,7 +98,7 @@ class ControlService(cgrpc.ControlServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            session = self.run.register(request, claim)
+            session = self.handlers.register(request, claim)
         except PermissionError as e:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
@@ -89,27 +112,26 @@ class ControlService(cgrpc.ControlServicer):
                     return
                 yield command
         except asyncio.CancelledError:
-            self.run.lost(session.peer_id, "its control stream was cancelled", session)
+            self.handlers.lost(session.peer_id, "its control stream was cancelled", session)
             raise
 
     async def _caller_is(self, context: grpc.aio.ServicerContext, peer_id: str) -> None:
         try:
-            caller_is(self.run, context, peer_id)
+            caller_is(self.handlers.swarm_token, self.handlers.peer_key, context, peer_id)
         except CallRefused as e:
             await context.abort(e.code, str(e))
 
     async def Report(self, request: cpb.StatusReport, context: grpc.aio.ServicerContext) -> cpb.ReportReply:  # noqa: N802
         await self._caller_is(context, request.peer_id)
-        if not self.run.known(request.peer_id):
+        if not self.handlers.known(request.peer_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {request.peer_id!r} has not joined this run")
-        self.run.on_report(request)
+        self.handlers.on_report(request)
         return cpb.ReportReply()
 
     async def UploadState(self, request_iterator, context: grpc.aio.ServicerContext) -> cpb.UploadReply:  # noqa: N802
         await self._caller_is(context, authenticated_peer(context) or "")  # a member's own, before reading it
-        run = self.run
-        blocks = [(a, b) for a, b, _ in run.planned.values()]
-        limit = upload_checks.max_upload_bytes(run.s.model, run.s.hf, blocks)  # the largest planned block
+        handlers = self.handlers
+        limit = handlers.upload_limit()  # the largest planned block
         reasm = Reassembler(max_packet_bytes=limit, message_type=cpb.StateChunk)
         chunk = None
         try:
@@ -118,34 +140,33 @@ class ControlService(cgrpc.ControlServicer):
             if chunk is None:
                 raise WireError("upload ended before its last frame")
             await self._caller_is(context, chunk.peer_id)
-            if not self.run.known(chunk.peer_id):
+            if not self.handlers.known(chunk.peer_id):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {chunk.peer_id!r} has not joined this run")
             try:
-                upload_allowed(self.run, chunk)
+                upload_allowed(handlers.held_block(chunk.peer_id), chunk, handlers.checkpoint_window())
             except CallRefused as e:
                 await context.abort(e.code, str(e))
-            planned = run.planned.get(chunk.peer_id)
-            spec = upload_checks.block_spec(run.s.model, run.s.hf, chunk, planned[:2] if planned else None)
+            spec = handlers.upload_spec(chunk)
             tensors, optim = await asyncio.to_thread(decode_state, chunk, spec)
         except WireError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if chunk.periodic:
             try:
-                await asyncio.to_thread(self.run.on_checkpoint, chunk, tensors, optim)
+                await asyncio.to_thread(self.handlers.on_checkpoint, chunk, tensors, optim)
             except StaleCheckpoint as e:  # trained under a plan the run has left (a recovery re-planned)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         else:
-            self.run.on_state(chunk.peer_id, chunk.stage, tensors)
+            self.handlers.on_state(chunk.peer_id, chunk.stage, tensors)
         return cpb.UploadReply(tensors=len(tensors))
 
     async def FetchState(self, request: cpb.FetchStateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         await self._caller_is(context, request.peer_id)
-        if not self.run.known(request.peer_id):
+        if not self.handlers.known(request.peer_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer {request.peer_id!r} has not joined this run")
         try:
-            weights, optim = await asyncio.to_thread(self.run.store.fetch, request.version, list(request.names))
+            weights, optim = await asyncio.to_thread(self.handlers.fetch_state, request.version, list(request.names))
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         chunk = cpb.StateChunk(peer_id=request.peer_id, version=request.version)
@@ -171,7 +192,7 @@ class ControlService(cgrpc.ControlServicer):
         return cpb.DialBackReply(reachable=reachable, detail=detail)
 
     async def Status(self, request: cpb.StatusRequest, context: grpc.aio.ServicerContext) -> cpb.StatusReply:  # noqa: N802
-        return cpb.StatusReply(status_json=json.dumps(self.run.status().to_dict(), allow_nan=False))
+        return cpb.StatusReply(status_json=json.dumps(self.handlers.status(), allow_nan=False))
 
     async def Probe(self, request: cpb.ProbeRequest, context: grpc.aio.ServicerContext) -> cpb.ProbeReply:  # noqa: N802
         if request.reply_bytes > MAX_PROBE_BYTES:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.membership import Membership
-from coordinator.swarm_run import RunSettings, SwarmRun
+from coordinator.run_settings import RunSettings
+from coordinator.swarm_run import SwarmRun
 from swarm.lifecycle import DIE_WITH_PARENT_ENV
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from rich.live import Live
 from coordinator.local_swarm import run_local
 from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, with_train_options
+from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import exit_code, status_json, verdict
 from coordinator.status_view import render, renderable
-from coordinator.swarm_run import RunSettings
 from swarm.auth import COORDINATOR_AUDIENCE, generate_token, sync_channel
 from swarm.config_file import enable_config
 from swarm.logs import setup_logging

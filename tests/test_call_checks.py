@@ -12,7 +12,9 @@ import torch
 
 from coordinator.call_checks import CHECKPOINT_LEAD, checkpoint_window
 from coordinator.control_service import ControlService
-from coordinator.swarm_run import PeerSession, RunSettings, SwarmRun
+from coordinator.run_settings import RunSettings
+from coordinator.sessions import PeerSession
+from coordinator.swarm_run import SwarmRun
 from swarm import auth
 from swarm.config import MODEL_PRESETS, TrainConfig
 from swarm.identity import public_key_text
@@ -35,18 +37,16 @@ def make_run(tmp_path: Path) -> SwarmRun:
     )  # fmt: skip
     run = SwarmRun(settings, SimpleNamespace(s=SimpleNamespace(heartbeat=1.0)))
     for i, name in enumerate(KEYS):
-        run.planned[name] = (i, i + 1, f"/ip4/127.0.0.1/tcp/{1000 + i}")
-        run.sessions[name] = PeerSession(name, run.planned[name][2], "cpu", 0, stage=i)
-        run.public_keys[name] = public_key_text(KEYS[name])
-    run._started = True
-    run._last_step = 9
+        run.planning.planned[name] = (i, i + 1, f"/ip4/127.0.0.1/tcp/{1000 + i}")
+        run.sessions.peers[name] = PeerSession(name, run.planning.planned[name][2], "cpu", 0, stage=i)
+        run.planning.public_keys[name] = public_key_text(KEYS[name])
+    run.flow.started = True
+    run.record.last_step = 9
     return run
 
 
 def chunk(peer: str, stage: int, start: int, end: int, version: int, *, periodic: bool = True) -> cpb.StateChunk:
-    c = cpb.StateChunk(
-        peer_id=peer, stage=stage, version=version, layer_start=start, layer_end=end, periodic=periodic
-    )
+    c = cpb.StateChunk(peer_id=peer, stage=stage, version=version, layer_start=start, layer_end=end, periodic=periodic)
     for name, t in StageModel(CFG, start, end).state_dict().items():
         c.tensors.add(name=name, tensor=tensor_to_pb(torch.full_like(t, 7.0), "fp32"))
     return c
@@ -76,9 +76,9 @@ def test_calls_naming_a_peer_are_served_only_to_that_peer_and_uploads_only_for_i
     run = make_run(tmp_path)
 
     async def scenario() -> dict[str, grpc.StatusCode]:
-        verifier = auth.Verifier(TOKEN, audiences=[auth.COORDINATOR_AUDIENCE], keys=run.peer_key)
+        verifier = auth.Verifier(TOKEN, audiences=[auth.COORDINATOR_AUDIENCE], keys=run.planning.peer_key)
         server = grpc.aio.server(interceptors=[auth.ServerAuth(verifier)])
-        cgrpc.add_ControlServicer_to_server(ControlService(run), server)
+        cgrpc.add_ControlServicer_to_server(ControlService(run.control_handlers()), server)
         target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
         p0, mallory_as_p0 = Caller(target, "p0", KEYS["p0"]), Caller(target, "p0", MALLORY)
@@ -92,16 +92,17 @@ def test_calls_naming_a_peer_are_served_only_to_that_peer_and_uploads_only_for_i
             codes["p0 claims p1's stage"] = await code_of(p0.upload(chunk("p0", 1, 0, 1, 10, periodic=False)))
             codes["p0 at a fake high version"] = await code_of(p0.upload(chunk("p0", 0, 0, 1, 10**6)))
             codes["p0 before the restore point"] = await code_of(p0.upload(chunk("p0", 0, 0, 1, 0)))
-            run._restore_version = 5
+            run.planning.restore_version = 5
             codes["p0 older than the restore point"] = await code_of(p0.upload(chunk("p0", 0, 0, 1, 4)))
             accusation = cpb.StatusReport(peer_id="p0", quarantined=[cpb.Quarantined(peer_id="p1", reason="x")])
             codes["impostor reports as p0"] = await code_of(mallory_as_p0.stub.Report(accusation, timeout=10))
             codes["impostor reports, naming p0"] = await code_of(mallory.stub.Report(accusation, timeout=10))
             fetch = cpb.FetchStateRequest(peer_id="p0", version=10)
             codes["impostor fetches as p0"] = await code_of(mallory_as_p0.stub.FetchState(fetch, timeout=10).read())
-            join = cpb.JoinRequest(peer_id="p0", endpoint=run.planned["p0"][2])
+            join = cpb.JoinRequest(peer_id="p0", endpoint=run.planning.planned["p0"][2])
             codes["impostor joins as p0"] = await code_of(mallory_as_p0.stub.Join(join, timeout=10).read())
-            assert run.store.versions() == [0] and not run.states and not run.excluded  # only p0's own v0
+            # only p0's own v0
+            assert run.store.versions() == [0] and not run.record.states and not run.sessions.excluded
             codes["p0 uploads its checkpoint"] = await code_of(p0.upload(chunk("p0", 0, 0, 1, 10)))
             codes["p0 uploads its final block"] = await code_of(p0.upload(chunk("p0", 0, 0, 1, 0, periodic=False)))
             codes["p0 reports"] = await code_of(p0.stub.Report(cpb.StatusReport(peer_id="p0"), timeout=10))
@@ -132,7 +133,7 @@ def test_calls_naming_a_peer_are_served_only_to_that_peer_and_uploads_only_for_i
         "p0 reports": ok,
         "status needs no identity": ok,
     }
-    assert run.store.versions() == [0, 10] and set(run.states) == {0} and not run.excluded
+    assert run.store.versions() == [0, 10] and set(run.record.states) == {0} and not run.sessions.excluded
 
 
 def test_the_checkpoint_window_follows_the_run() -> None:

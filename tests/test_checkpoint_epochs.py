@@ -18,7 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from coordinator.swarm_run import PeerSession, RunSettings, SwarmRun
+from coordinator.run_settings import RunSettings
+from coordinator.sessions import PeerSession
+from coordinator.swarm_run import SwarmRun
 from peer.daemon import PeerDaemon, PeerSettings
 from swarm.checkpoint import state_digest
 from swarm.config import MODEL_PRESETS, TrainConfig
@@ -44,8 +46,8 @@ def test_the_coordinator_refuses_a_checkpoint_of_a_plan_it_has_left(tmp_path: Pa
         name="epochs", run_dir=tmp_path, model=MODEL_PRESETS["gpt-tiny"], train=TrainConfig(checkpoint_every=5), peers=1
     )
     run = SwarmRun(settings, SimpleNamespace(s=SimpleNamespace(heartbeat=1.0)))
-    run.sessions["p0"] = PeerSession("p0", "/ip4/127.0.0.1/tcp/1", "cpu", 0, stage=0)
-    run.planned["p0"] = (0, 3, "/ip4/127.0.0.1/tcp/1")  # p0 holds the whole model, so its uploads are its own
+    run.sessions.peers["p0"] = PeerSession("p0", "/ip4/127.0.0.1/tcp/1", "cpu", 0, stage=0)
+    run.planning.planned["p0"] = (0, 3, "/ip4/127.0.0.1/tcp/1")  # p0 holds the whole model, so its uploads are its own
 
     async def scenario() -> None:
         port = await run.start_server()

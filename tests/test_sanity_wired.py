@@ -16,10 +16,12 @@ import pytest
 import torch
 from rich.console import Console
 
+from coordinator.run_settings import RunFailed, RunSettings
+from coordinator.sessions import PeerSession
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import status_json
 from coordinator.status_view import renderable
-from coordinator.swarm_run import PeerSession, RunFailed, RunSettings, SwarmRun
+from coordinator.swarm_run import SwarmRun
 from peer.daemon import PeerDaemon
 from peer.faults import PoisonedPolicy, wire_policy
 from swarm.config import MODEL_PRESETS, TrainConfig
@@ -93,9 +95,9 @@ def make_run(tmp_path: Path) -> SwarmRun:
     )
     run = SwarmRun(settings, SimpleNamespace(s=SimpleNamespace(heartbeat=1.0)))
     for i, name in enumerate(["p0", "p1", "p2"]):
-        run.planned[name] = (i, i + 1, f"/ip4/127.0.0.1/tcp/{1000 + i}")
-        run.sessions[name] = PeerSession(name, run.planned[name][2], "cpu", 0, stage=i)
-    run._started = True
+        run.planning.planned[name] = (i, i + 1, f"/ip4/127.0.0.1/tcp/{1000 + i}")
+        run.sessions.peers[name] = PeerSession(name, run.planning.planned[name][2], "cpu", 0, stage=i)
+    run.flow.started = True
     return run
 
 
@@ -103,26 +105,26 @@ def test_a_reported_peer_is_excluded_for_the_rest_of_the_run_and_status_says_why
     run = make_run(tmp_path)
     evil = "gradients: norm 1e+03 is 40.0 deviations above\n\x1b[2J this link's running log-norm"
     report = cpb.StatusReport(peer_id="p0", quarantined=[cpb.Quarantined(peer_id="p1", reason=evil)])
-    run.on_report(report)
-    run.on_report(report)  # reported again with every report: acted on once
-    why = run.excluded["p1"]
+    run.reports.on_report(report)
+    run.reports.on_report(report)  # reported again with every report: acted on once
+    why = run.sessions.excluded["p1"]
     assert "40.0 deviations" in why and "(reported by p0)" in why and "\n" not in why and "\x1b" not in why
-    commands = run.sessions["p1"].commands
+    commands = run.sessions.peers["p1"].commands
     assert commands.qsize() == 1 and commands.get_nowait().shutdown.reason.startswith("excluded: ")
-    assert "p1" in run._lost and run._failed.is_set() and "peer p1 excluded" in run._failure
+    assert "p1" in run.sessions.lost and run.flow.failed.is_set() and "peer p1 excluded" in run.flow.failure
     # the recovery path treats it as departed; it can neither dial in again nor be re-admitted as a join
     with pytest.raises(PermissionError, match="excluded from this run"):
-        run.register(cpb.JoinRequest(peer_id="p1", endpoint=run.planned["p1"][2]))
-    run.sessions.pop("p1")
-    run.planned.pop("p1")
-    run._lost.discard("p1")
+        run.sessions.register(cpb.JoinRequest(peer_id="p1", endpoint=run.planning.planned["p1"][2]))
+    run.sessions.peers.pop("p1")
+    run.planning.planned.pop("p1")
+    run.sessions.lost.discard("p1")
     record = SimpleNamespace(peer_id="p1", state="joining")  # not a full record: planning with it would raise
-    run._consider_joins({"p1": record})
-    assert "p1" not in run._considered and not run._joiners
+    run.roster.consider_joins({"p1": record})
+    assert "p1" not in run.roster.considered and not run.roster.joiners
     # a report about itself or about a peer not in the run changes nothing
-    run.on_report(cpb.StatusReport(peer_id="p2", quarantined=[cpb.Quarantined(peer_id="p2", reason="x")]))
-    run.on_report(cpb.StatusReport(peer_id="p2", quarantined=[cpb.Quarantined(peer_id="nobody", reason="x")]))
-    assert set(run.excluded) == {"p1"}
+    run.reports.on_report(cpb.StatusReport(peer_id="p2", quarantined=[cpb.Quarantined(peer_id="p2", reason="x")]))
+    run.reports.on_report(cpb.StatusReport(peer_id="p2", quarantined=[cpb.Quarantined(peer_id="nobody", reason="x")]))
+    assert set(run.sessions.excluded) == {"p1"}
 
     status = run.status()
     assert [(e.name, e.reason) for e in status.excluded] == [("p1", why)]
@@ -134,7 +136,7 @@ def test_a_reported_peer_is_excluded_for_the_rest_of_the_run_and_status_says_why
     console.print(renderable(back))
     text = console.export_text()
     assert "excluded peers" in text and "p1" in text and "reported by p0" in text
-    run.artifacts.close()
+    run.record.artifacts.close()
     assert any(json.loads(line)["kind"] == "exclude" for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
 
 
@@ -143,9 +145,9 @@ def test_without_checkpoints_an_exclusion_fails_the_run_with_the_reason(tmp_path
     run.s.train = TrainConfig(checkpoint_every=0)
 
     async def wait() -> None:
-        run.on_report(cpb.StatusReport(peer_id="p2", quarantined=[cpb.Quarantined(peer_id="p1", reason="NaN")]))
-        await run._wait(asyncio.Event(), 5, "nothing")
+        run.reports.on_report(cpb.StatusReport(peer_id="p2", quarantined=[cpb.Quarantined(peer_id="p1", reason="NaN")]))
+        await run.flow.wait(asyncio.Event(), 5, "nothing")
 
     with pytest.raises(RunFailed, match="peer p1 excluded: NaN"):
         asyncio.run(wait())
-    run.artifacts.close()
+    run.record.artifacts.close()

@@ -16,7 +16,9 @@ import grpc
 import pytest
 import torch
 
-from coordinator.swarm_run import PeerSession, RunSettings, SwarmRun
+from coordinator.run_settings import RunSettings
+from coordinator.sessions import PeerSession
+from coordinator.swarm_run import SwarmRun
 from coordinator.upload_checks import gpt_block_spec
 from swarm import auth
 from swarm.config import MODEL_PRESETS, TrainConfig
@@ -39,11 +41,11 @@ def make_run(tmp_path: Path) -> SwarmRun:
     )
     run = SwarmRun(settings, SimpleNamespace(s=SimpleNamespace(heartbeat=1.0)))
     for i, (name, block) in enumerate({"p0": (0, 1), "p1": (1, CFG.n_layers)}.items()):
-        run.planned[name] = (*block, f"/ip4/127.0.0.1/tcp/{1000 + i}")
-        run.sessions[name] = PeerSession(name, run.planned[name][2], "cpu", 0, stage=i)
-        run.public_keys[name] = public_key_text(KEYS[name])
-    run._started = True
-    run._last_step = 5
+        run.planning.planned[name] = (*block, f"/ip4/127.0.0.1/tcp/{1000 + i}")
+        run.sessions.peers[name] = PeerSession(name, run.planning.planned[name][2], "cpu", 0, stage=i)
+        run.planning.public_keys[name] = public_key_text(KEYS[name])
+    run.flow.started = True
+    run.record.last_step = 5
     return run
 
 

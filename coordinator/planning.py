@@ -1,0 +1,180 @@
+"""The plan of a run: who holds which block, how a new plan is made, and each peer's Assignment.
+
+``Planning`` owns the current signed ``Plan`` and what the coordinator derives from it when it makes it
+(``planned``: peer -> block and endpoint; reachability, TLS pins and signing keys of the planned peers),
+plus the checkpoint the current plan restored. It makes plans (``_plan_for``: ``placement.place`` over
+``cost_model.py``: the chain sized after ordering the peers, peers behind NAT kept apart, spare peers as
+replicas of the slowest stage) and builds the gRPC ``Assignment`` a peer gets. Publishing a plan in the
+DHT is ``roster.Roster.publish``'s job.
+"""
+
+from __future__ import annotations
+
+from coordinator.checkpoint_store import CheckpointStore
+from coordinator.membership import Membership, make_plan
+from coordinator.placement import PlacementError, Unarrangeable, place
+from coordinator.plan_inputs import model_spec, peer_specs
+from coordinator.progress import Progress
+from coordinator.run_settings import RunFailed, RunSettings
+from coordinator.run_state import CoordinatorState
+from swarm.dht_records import seal_plan
+from swarm.dht_schema import PeerRecord, Plan
+from swarm.identity import plan_keys
+from swarm.measure import planned_layer
+from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
+from swarm.pb import control_pb2 as cpb
+from swarm.plan_view import plan_view
+
+Stages = list[tuple[int, int, list[tuple[str, str]]]]  # (layer_start, layer_end, [(peer id, endpoint)])
+
+
+class Planning:
+    def __init__(
+        self, settings: RunSettings, membership: Membership, progress: Progress, store: CheckpointStore
+    ) -> None:
+        self.s = settings
+        self.membership = membership
+        self.progress = progress
+        self.store = store
+        self.run_id = settings.name
+        self.plan: Plan | None = None
+        self.plan_version = 0
+        self.planned: dict[str, tuple[int, int, str]] = {}  # peer id -> (layer_start, layer_end, endpoint)
+        self.predicted_throughput = 0.0
+        self.reachable: dict[str, bool] = {}
+        self.fingerprints: dict[str, str] = {}  # peer id -> TLS fingerprint from its record ("" in clear)
+        self.public_keys: dict[str, str] = {}  # peer id -> the key its record is signed with: signs its calls
+        self._restore_version = 0
+        self.control_endpoint = ""  # set once the Control service listens: every plan names it
+
+    def load(self, state: CoordinatorState) -> None:
+        """Take over a saved run's plan and restore point."""
+        self.plan = Plan.model_validate(state.plan) if state.plan is not None else None
+        self.plan_version = self.plan.version if self.plan is not None else 0
+        self.planned = {p: (a, b, e) for p, (a, b, e) in state.planned.items()}
+        self.reachable = dict(state.reachable)
+        if self.plan is not None:  # pins survive a restart: later plans (a replica lost) must keep them
+            self.fingerprints = {p.peer_id: p.tls_fingerprint for st in self.plan.stages for p in st.peers}
+            self.public_keys = plan_keys(self.plan)
+        self._restore_version = state.restore_version
+
+    @property
+    def restore_version(self) -> int:
+        """The checkpoint version the current plan started from (every Assignment names it)."""
+        return self._restore_version
+
+    @restore_version.setter
+    def restore_version(self, version: int) -> None:
+        self._restore_version = version
+
+    @property
+    def tls_fingerprint(self) -> str:
+        """The certificate the Control service presents ("" in clear): every plan carries it, the first too."""
+        return self.s.tls.fingerprint if self.s.tls is not None else ""
+
+    def peer_key(self, peer_id: str) -> str | None:
+        """The key of ``peer_id``'s signed record, pinned when it was planned: only its holder may call as it."""
+        return self.public_keys.get(peer_id)
+
+    def block(self, peer_id: str) -> tuple[int, int] | None:
+        """The layers the current plan gives ``peer_id`` (None: not planned)."""
+        planned = self.planned.get(peer_id)
+        return planned[:2] if planned else None
+
+    def describe(self) -> str:
+        """``p=layers[a,b), ...``: the plan as the run's messages show it."""
+        return ", ".join(f"{p}=layers[{a},{b})" for p, (a, b, _) in self.planned.items())
+
+    def replicated(self, peer_id: str) -> bool:
+        """Does another planned peer still hold this peer's block?"""
+        block = self.planned.get(peer_id)
+        return block is not None and any(p != peer_id and v[:2] == block[:2] for p, v in self.planned.items())
+
+    def without(self, peer_id: str) -> Stages:
+        """The current plan's stages with ``peer_id`` taken out (its block stays, held by the others or none)."""
+        assert self.plan is not None
+        return [
+            (st.layer_start, st.layer_end, [(p.peer_id, p.endpoint) for p in st.peers if p.peer_id != peer_id])
+            for st in self.plan.stages
+        ]
+
+    def _publishable(self, stages: Stages) -> Plan:
+        self.plan_version += 1
+        return make_plan(
+            reachable=self.reachable,
+            fingerprints=self.fingerprints,
+            public_keys=self.public_keys,
+            coordinator_tls_fingerprint=self.tls_fingerprint,
+            swarm=self.s.swarm,
+            run_id=self.run_id,
+            version=self.plan_version,
+            model_name=self.s.model_name,
+            coordinator=self.control_endpoint,
+            stages=stages,
+            layer=planned_layer(self.s.model, self.s.train, self.s.hf),
+        )
+
+    # ---- making a plan and an Assignment (the placement rule the runtime uses) --------------------
+    def _plan_for(self, records: list[PeerRecord]) -> Plan:
+        """The placement of ``coordinator/placement.py`` (chain, replicas, NAT rule) as a signed plan."""
+        self.reachable = {r.peer_id: r.reachable is not False for r in records}
+        blocks, groups, throughput = self._layout(records)
+        endpoints = {r.peer_id: r.endpoint for r in records}
+        self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
+        self.public_keys = {r.peer_id: r.public_key for r in records if r.public_key}
+        stages = [(a, b, [(p, endpoints[p]) for p in group]) for (a, b), group in zip(blocks, groups, strict=True)]
+        self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
+        self.predicted_throughput = throughput
+        replicated = [
+            f"stage {i} layers [{a},{b}) x{len(g)}"
+            for i, ((a, b), g) in enumerate(zip(blocks, groups, strict=True))
+            if len(g) > 1
+        ]
+        if replicated:
+            self.progress.message("replicas: " + ", ".join(replicated))
+        behind_nat = [g[0] for g in groups if not self.reachable[g[0]]]
+        if behind_nat:
+            self.progress.message(f"behind NAT (they dial their neighbours): {', '.join(behind_nat)}")
+        return self._publishable(stages)
+
+    def _layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
+        """Blocks, their holders in pipeline order and the predicted micro-batches/s (no side effects)."""
+        spec = model_spec(self.s.model, self.s.train, self.s.hf)
+        try:
+            placed = place(peer_specs(records), spec, stages=self.s.stages, replicate=self.s.replicate)
+        except Unarrangeable as e:
+            raise RunFailed(f"blocked on reachability: {e}") from None
+        except PlacementError as e:
+            raise RunFailed(f"no plan fits these peers: {e}") from None
+        blocks = [(b.layer_start, b.layer_end) for b in placed.blocks]
+        return blocks, [list(b.peer_ids) for b in placed.blocks], placed.throughput
+
+    def _assignment(self, peer_id: str) -> cpb.Assignment:
+        view = plan_view(self.plan, peer_id)
+        up = next(iter(view.upstreams.items()), None)
+        down = next(iter(view.downstreams.items()), None)
+        sealed = seal_plan(self.plan, self.membership.key)
+        return cpb.Assignment(
+            run_id=self.run_id,
+            stage=view.stage,
+            num_stages=view.num_stages,
+            layer_start=view.layers[0],
+            layer_end=view.layers[1],
+            model=model_to_pb(self.s.model),
+            train=train_to_pb(self.s.train),
+            upstream_endpoint=up[1] if up else "",
+            downstream_endpoint=down[1] if down else "",
+            upstream_peer=up[0] if up else "",
+            downstream_peer=down[0] if down else "",
+            hf=hf_to_pb(self.s.hf) if self.s.hf else None,
+            restore_version=self._restore_version,
+            epoch=self.store.epoch,
+            dial_upstream=view.dial_upstream,
+            accept_downstream=view.accept_downstream,
+            upstreams=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.upstreams.items()],
+            downstreams=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.downstreams.items()],
+            replicas=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.replicas.items()]
+            if view.replicated
+            else [],
+            plan=cpb.SignedPlan(body=sealed["body"], sig=sealed["sig"]),
+        )

@@ -1,0 +1,183 @@
+"""Membership as the run follows it: gathering the first peers, publishing the plan, joins and departures.
+
+The DHT is the only source of who is in the swarm (``membership.Membership`` reads it). ``Roster``
+waits for the first ``--peers`` records, keeps the current plan published, and every heartbeat compares
+the live records with the plan: a planned peer whose record expires or turns ``leaving`` uncovers its
+block (the run fails over to recovery), a replica that goes is simply dropped (its block is still held),
+and a new peer triggers a re-plan only when it predicts more than ``JOIN_MIN_GAIN`` throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from coordinator.membership import Membership
+from coordinator.planning import Planning
+from coordinator.progress import Progress
+from coordinator.run_flow import RunFlow
+from coordinator.run_record import RunRecord
+from coordinator.run_settings import RunFailed, RunSettings
+from coordinator.sessions import Sessions
+from swarm.dht_schema import PeerRecord, Plan
+from swarm.pb import control_pb2 as cpb
+
+log = logging.getLogger(__name__)
+
+JOIN_MIN_GAIN = 0.05  # a joining peer reshuffles the swarm only for more than this predicted throughput gain
+
+
+class Roster:
+    def __init__(
+        self,
+        settings: RunSettings,
+        membership: Membership,
+        planning: Planning,
+        sessions: Sessions,
+        flow: RunFlow,
+        record: RunRecord,
+        progress: Progress,
+        *,
+        resumed: bool = False,
+    ) -> None:
+        self.s = settings
+        self.membership = membership
+        self.planning = planning
+        self.sessions = sessions
+        self.flow = flow
+        self.record = record
+        self.progress = progress
+        self.resumed = resumed  # a restarted coordinator: re-attached peers' records come back late
+        self.uncovered: list[str] = []  # blocks nobody holds since a planned peer went
+        self.departures: list[str] = []  # why, for each of them
+        self.removed: dict[str, float] = {}  # peer id -> when it was dropped (its record may outlive it)
+        self.joiners: list[str] = []  # new peers the next re-plan takes in
+        self.considered: set[str] = set()  # new peers already weighed (joined or standing by)
+
+    async def publish(self, plan: Plan) -> None:
+        """Make ``plan`` the current one: saved on disk, stored in the DHT."""
+        self.planning.plan = plan
+        self.record.save_state()
+        if not await self.membership.publish(plan):
+            log.warning("plan version %d was not stored in the DHT; retrying at the next heartbeat", plan.version)
+
+    async def keep_plan_alive(self) -> None:
+        """Re-publish the current plan every heartbeat (DHT values expire)."""
+        while True:
+            await asyncio.sleep(self.membership.s.heartbeat)
+            if self.planning.plan is not None:
+                await self.publish(self.planning.plan)
+
+    async def gather(self) -> list[PeerRecord]:
+        """Wait until enough peers announce themselves in the DHT; the first ``peers`` by id form the plan."""
+        deadline = time.monotonic() + self.s.join_timeout
+        seen = -1
+        while True:
+            live = [r for r in await self.membership.peers() if r.state != "leaving"]
+            if len(live) != seen:
+                seen = len(live)
+                self.progress.message(f"{seen}/{self.s.peers} peers in swarm {self.s.swarm!r}")
+            if len(live) >= self.s.peers:
+                return sorted(live, key=lambda r: r.peer_id)[: self.s.peers]
+            if time.monotonic() > deadline:
+                raise RunFailed(
+                    f"only {len(live)} of {self.s.peers} peers joined swarm {self.s.swarm!r} "
+                    f"within {self.s.join_timeout:.0f} s"
+                )
+            await self.flow.tick(self.membership.s.heartbeat)
+
+    def consider_joins(self, records: dict[str, PeerRecord]) -> None:
+        """A new peer during training: re-plan if it predicts enough throughput gain (hysteresis)."""
+        now = time.monotonic()
+        recently_gone = {p for p, t in self.removed.items() if now - t < 2 * self.membership.ttl}
+        planned, sessions = self.planning.planned, self.sessions
+        fresh = [
+            r
+            for pid, r in records.items()
+            if pid not in planned
+            and pid not in sessions.peers
+            and pid not in self.considered
+            and pid not in recently_gone  # a dead peer's record outlives it by a few heartbeats
+            and pid not in sessions.lost
+            and pid not in sessions.excluded
+            and r.state != "leaving"
+        ]
+        if not fresh or not self.flow.started or self.flow.recovering or not self.s.train.checkpoint_every:
+            return
+        current = [records[p] for p in planned if p in records]
+        try:
+            before = self.planning._layout(current)[2]
+            after = self.planning._layout(current + fresh)[2]
+        except RunFailed:
+            return
+        names = ", ".join(r.peer_id for r in fresh)
+        self.considered.update(r.peer_id for r in fresh)
+        gain = after / before - 1 if before > 0 else 1.0
+        if gain > JOIN_MIN_GAIN:
+            self.joiners = [r.peer_id for r in fresh]
+            self.record.artifacts.log("join", peers=self.joiners, predicted_gain=gain)
+            self.flow.fail(f"{names} joined: predicted throughput {gain:+.0%}; re-planning")
+        else:
+            self.progress.message(
+                f"{names} joined; keeping the plan (predicted gain {gain:+.0%} <= {JOIN_MIN_GAIN:.0%}): standby"
+            )
+
+    async def watch(self) -> None:
+        """Planned peers whose records expire or who leave: their blocks become uncovered; new ones may join."""
+        while True:
+            await asyncio.sleep(self.membership.s.heartbeat)
+            records = {r.peer_id: r for r in await self.membership.peers(include_leaving=True)}
+            self.consider_joins(records)
+            for peer_id, (a, b, _) in list(self.planning.planned.items()):
+                record = records.get(peer_id)
+                if record is not None and record.state != "leaving":
+                    continue
+                if record is None and self.resumed and self._awaiting_record(peer_id):
+                    continue
+                if (
+                    record is None
+                    and self.flow.started
+                    and not self.flow.recovering
+                    and self.planning.replicated(peer_id)
+                ):
+                    await self.replica_gone(peer_id, "stopped heartbeating (its record expired)")
+                    continue
+                why = "left gracefully" if record is not None else "stopped heartbeating (its record expired)"
+                self.flow.note_incident(f"peer {peer_id} {why}", peer_id, (a, b))
+                del self.planning.planned[peer_id]
+                self.sessions.departed.add(peer_id)
+                self.uncovered.append(f"layers [{a},{b})")
+                self.record.metrics.set_uncovered_blocks(len(self.uncovered))
+                self.record.artifacts.log(
+                    "membership", peer=peer_id, event="left" if record else "expired", layers=[a, b]
+                )
+                self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
+                if self.planning.plan is not None:
+                    await self.publish(self.planning._publishable(self.planning.without(peer_id)))
+                reason = f"layers [{a},{b}) are uncovered: peer {peer_id} {why}"
+                if not self.s.train.checkpoint_every:
+                    reason += " (no checkpoints to recover from: --checkpoint-every 0)"
+                self.departures.append(reason)
+                if not self.flow.finished.is_set():
+                    self.flow.fail(reason)
+
+    def _awaiting_record(self, peer_id: str) -> bool:
+        """After a restart, a peer's DHT record reaches our new DHT node only after the peer re-attached."""
+        return peer_id not in self.sessions.peers or time.monotonic() < self.sessions.records_due.get(peer_id, 0.0)
+
+    async def replica_gone(self, peer_id: str, why: str) -> None:
+        """A replica vanished: its block is still held, so the swarm trains on; the others just forget it."""
+        if not self.planning.replicated(peer_id):
+            return
+        a, b, _ = self.planning.planned.pop(peer_id)
+        self.removed[peer_id] = time.monotonic()
+        self.sessions.drop(peer_id)
+        self.record.artifacts.log("membership", peer=peer_id, event="replica_lost", layers=[a, b], reason=why)
+        self.progress.message(f"replica {peer_id} of layers [{a},{b}) {why}; its replicas carry on without it")
+        if self.planning.plan is not None:
+            await self.publish(self.planning._publishable(self.planning.without(peer_id)))
+            for other, s in self.sessions.peers.items():
+                s.commands.put_nowait(cpb.Command(update=self.planning._assignment(other)))
+        if self.sessions.peers and all(x.ready for x in self.sessions.peers.values()):
+            self.flow.ready.set()
