@@ -18,7 +18,8 @@ import torch
 
 import peer.daemon as daemon_module
 from coordinator.membership import make_plan
-from coordinator.swarm_run import RunSettings, SwarmRun
+from coordinator.run_settings import RunSettings
+from coordinator.swarm_run import SwarmRun
 from peer.daemon import PeerDaemon, PeerSettings
 from swarm import bench, measure
 from swarm.config import HFConfig, ModelConfig, TrainConfig
@@ -30,8 +31,8 @@ def published_plan(tmp_path: Path, model: ModelConfig, train: TrainConfig, **kw)
     """The first plan a coordinator publishes (no peers yet: "the swarm exists, come in")."""
     settings = RunSettings(name="run", run_dir=tmp_path, model=model, train=train, peers=2, **kw)
     run = SwarmRun(settings, SimpleNamespace(s=SimpleNamespace(heartbeat=1.0)))
-    run.control_endpoint = "/ip4/127.0.0.1/tcp/1"
-    return Plan.model_validate_json(run._publishable([(0, model.n_layers, [])]).model_dump_json())
+    run.planning.control_endpoint = "/ip4/127.0.0.1/tcp/1"
+    return Plan.model_validate_json(run.planning._publishable([(0, model.n_layers, [])]).model_dump_json())
 
 
 def measured_by_peer(plan: Plan, monkeypatch: pytest.MonkeyPatch) -> float:
