@@ -220,6 +220,7 @@ class PeerDaemon:
 
     async def close(self) -> None:
         self.stopping.set()
+        await self.session.close()  # the Stage first: nothing of it acts while the rest goes
         self.metrics_server.stop()
         if self.discovery is not None:
             try:
@@ -227,7 +228,6 @@ class PeerDaemon:
             except Exception as e:  # noqa: BLE001 - leaving is best effort; the record expires anyway
                 log.warning("could not withdraw this peer's record: %s", e)
             self.discovery.shutdown()
-        await self.session.close()
         for task in self._tasks:
             task.cancel()
         if self._server is not None:

@@ -69,6 +69,7 @@ class Links:
 
 async def dial(
     channel: grpc.aio.Channel,
+    target: str,
     name: str,
     side: str,
     peer: str,
@@ -102,7 +103,7 @@ async def dial(
         return link, f"refused a packet from {side} {peer}: {e}"
     except (TimeoutError, grpc.aio.AioRpcError, LinkClosed) as e:
         detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-        return link, f"link to {side} {peer} failed: {detail}"
+        return link, f"link to {side} {peer} at {target} failed: {detail}"
     except Exception as e:  # noqa: BLE001 - a bug, not bad input: say so loudly, and let the coordinator recover
         log.exception("link to %s %s failed", side, peer)
         return link, f"link to {side} {peer} failed: {e!r}"

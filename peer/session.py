@@ -278,6 +278,7 @@ class Session:
             faults=self.faults,
             link_timeout=self.settings.link_timeout,
             device=self.device,
+            stopping=self.stopping,
         )
         stage = await Stage.build(hooks, a, view, (model_cfg, train_cfg, hf), self.assignments)
         self.assignments += 1

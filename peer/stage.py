@@ -64,6 +64,7 @@ class StageHooks:
     faults: Faults
     link_timeout: float
     device: str
+    stopping: asyncio.Event  # the peer is going: a link that ends now is no fault
 
 
 class Stage:
@@ -186,12 +187,13 @@ class Stage:
         try:
             channel = await self.hooks.channel(target, peer, self.pin(peer))
         except Exception as e:  # noqa: BLE001 - a TLS pin that does not match, or no route
-            if not self.closed:
+            if not self.closed and not self.hooks.stopping.is_set():
                 await self.hooks.fail(f"refusing to link to {side} {peer} at {target}: {e}")
             return
         try:
             link, reason = await dial(
                 channel,
+                target,
                 f"{self.hooks.peer_id}->{peer}",
                 side,
                 peer,
@@ -203,9 +205,7 @@ class Stage:
                 on_refused=self.count_refused,
             )
             if reason:
-                await self.link_closed(
-                    side, peer, link, reason.replace(f"{side} {peer}:", f"{side} {peer} at {target}:")
-                )
+                await self.link_closed(side, peer, link, reason)
         finally:
             await channel.close()
 
@@ -215,8 +215,8 @@ class Stage:
 
     async def link_closed(self, side: str, peer: str, link: Link, reason: str, *, report: bool = True) -> None:
         """A neighbour's link ended. A vanished replica is routed around; a lost only neighbour is a fault."""
-        if not self.links.detach(side, peer, link) or self.closed:
-            return  # it dialled again (the new link replaced this one), or this block is gone
+        if not self.links.detach(side, peer, link) or self.closed or self.hooks.stopping.is_set():
+            return  # it dialled again (the new link replaced this one), this block is gone, or so is the peer
         table = self.links.table(side)
         if table and not (side == DOWNSTREAM and self.replicas.router is None):
             log.warning("%s; %d other holder(s) of that block remain: routing around it", reason, len(table))

@@ -80,6 +80,7 @@ def test_the_data_source_charges_a_refused_gradient_to_the_replica_that_sent_it(
             faults=Faults(),
             link_timeout=5.0,
             device="cpu",
+            stopping=asyncio.Event(),
         )
         a = assignment(STAGES, model=model_to_pb(CFG), train=train_to_pb(TRAIN))
         stage = await Stage.build(hooks, a, trust().accept(a), assignment_configs(a), 0)
