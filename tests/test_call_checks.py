@@ -44,7 +44,9 @@ def make_run(tmp_path: Path) -> SwarmRun:
 
 
 def chunk(peer: str, stage: int, start: int, end: int, version: int, *, periodic: bool = True) -> cpb.StateChunk:
-    c = cpb.StateChunk(peer_id=peer, stage=stage, version=version, layer_start=start, layer_end=end, periodic=periodic)
+    c = cpb.StateChunk(
+        peer_id=peer, stage=stage, version=version, layer_start=start, layer_end=end, periodic=periodic
+    )
     for name, t in StageModel(CFG, start, end).state_dict().items():
         c.tensors.add(name=name, tensor=tensor_to_pb(torch.full_like(t, 7.0), "fp32"))
     return c

@@ -26,46 +26,20 @@ from swarm.pb import control_pb2 as cpb
 
 
 def peer(name: str, block: tuple[int, int], **kw) -> PeerStatus:
-    base = dict(
-        device="cuda:0 RTX 3060",
-        state="online",
-        tokens_per_s=5000.0,
-        up_mbit_s=42.0,
-        down_mbit_s=40.5,
-        staleness_counts=(90, 10),
-        heartbeat_age_s=1.0,
-        bubble_fraction=0.3,
-    )
+    base = dict(device="cuda:0 RTX 3060", state="online", tokens_per_s=5000.0, up_mbit_s=42.0, down_mbit_s=40.5,
+                staleness_counts=(90, 10), heartbeat_age_s=1.0, bubble_fraction=0.3)
     return PeerStatus(name=name, block=block, **{**base, **kw})
 
 
 def healthy(**run_kw) -> SwarmStatus:
-    run = RunStatus(
-        name="demo",
-        step=120,
-        total_steps=300,
-        loss=2.41,
-        val_loss=2.5,
-        tokens_per_s=5123.0,
-        eta_s=200.0,
-        wire_bytes_per_token=1234.0,
-        loss_history=(5.5, 4.0, 3.1, 2.8, 2.41),
-        heartbeat_s=5.0,
-        max_staleness=0,
-    )
+    run = RunStatus(name="demo", step=120, total_steps=300, loss=2.41, val_loss=2.5, tokens_per_s=5123.0,
+                    eta_s=200.0, wire_bytes_per_token=1234.0, loss_history=(5.5, 4.0, 3.1, 2.8, 2.41),
+                    heartbeat_s=5.0, max_staleness=0)
     run = replace(run, **run_kw)
-    peers = (
-        peer("p0", (0, 2), bubble_fraction=0.4),
-        peer("p1", (2, 4), bubble_fraction=0.05),
-        peer("p2", (4, 6), bubble_fraction=0.3),
-    )
-    return SwarmStatus(
-        run=run,
-        peers=peers,
-        blocks=blocks_from_peers(peers, [(0, 2), (2, 4), (4, 6)]),
-        swarm="my-swarm",
-        generated_at=1_700_000_000.0,
-    )
+    peers = (peer("p0", (0, 2), bubble_fraction=0.4), peer("p1", (2, 4), bubble_fraction=0.05),
+             peer("p2", (4, 6), bubble_fraction=0.3))
+    return SwarmStatus(run=run, peers=peers, blocks=blocks_from_peers(peers, [(0, 2), (2, 4), (4, 6)]),
+                       swarm="my-swarm", generated_at=1_700_000_000.0)
 
 
 def with_peer(status: SwarmStatus, name: str, **kw) -> SwarmStatus:
@@ -152,30 +126,12 @@ def test_blocks_mark_the_busiest_stage_as_bottleneck() -> None:
 
 
 def test_peer_status_from_two_reports() -> None:
-    then = cpb.StageStats(
-        forward_micro_batches=10, bytes_sent=0, bytes_received=0, dropped=1, wall_seconds=10, idle_seconds=5
-    )
-    now = cpb.StageStats(
-        forward_micro_batches=20,
-        bytes_sent=5_000_000,
-        bytes_received=2_500_000,
-        dropped=3,
-        refused=0,
-        staleness_counts=[8, 2],
-        wall_seconds=20,
-        idle_seconds=6,
-    )
-    p = peer_status_from_stats(
-        name="p",
-        device="cpu",
-        block=(0, 3),
-        state="online",
-        now=now,
-        then=then,
-        window_s=10.0,
-        heartbeat_age_s=0.5,
-        tokens_per_micro_batch=256,
-    )
+    then = cpb.StageStats(forward_micro_batches=10, bytes_sent=0, bytes_received=0, dropped=1, wall_seconds=10,
+                          idle_seconds=5)
+    now = cpb.StageStats(forward_micro_batches=20, bytes_sent=5_000_000, bytes_received=2_500_000, dropped=3,
+                         refused=0, staleness_counts=[8, 2], wall_seconds=20, idle_seconds=6)
+    p = peer_status_from_stats(name="p", device="cpu", block=(0, 3), state="online", now=now, then=then,
+                               window_s=10.0, heartbeat_age_s=0.5, tokens_per_micro_batch=256)
     assert (p.tokens_per_s, p.up_mbit_s, p.down_mbit_s) == (256.0, 4.0, 2.0)
     assert (p.dropped, p.dropped_recent, p.refused_recent, p.bubble_fraction) == (3, 2, 0, 0.1)
     assert (p.staleness_p50, p.staleness_p99) == (0, 1)
@@ -187,46 +143,14 @@ def test_json_shape_is_stable_and_round_trips() -> None:
     assert set(d) == {"schema", "swarm", "generated_at", "verdict", "run", "peers", "blocks", "excluded"}
     assert d["schema"] == 1
     assert set(d["verdict"]) == {"level", "line", "problems"}
-    assert d["verdict"]["problems"][0] == {
-        "severity": "degraded",
-        "why": d["verdict"]["problems"][0]["why"],
-        "block": [2, 4],
-        "peer": "p1",
-    }
-    assert set(d["run"]) == {
-        "name",
-        "step",
-        "total_steps",
-        "loss",
-        "val_loss",
-        "tokens_per_s",
-        "eta_s",
-        "wire_bytes_per_token",
-        "loss_history",
-        "heartbeat_s",
-        "max_staleness",
-        "failure",
-        "recovering",
-        "recovering_layers",
-    }
-    assert set(d["peers"][0]) == {
-        "name",
-        "device",
-        "block",
-        "state",
-        "tokens_per_s",
-        "up_mbit_s",
-        "down_mbit_s",
-        "staleness_counts",
-        "staleness_p50",
-        "staleness_p99",
-        "heartbeat_age_s",
-        "dropped",
-        "refused",
-        "dropped_recent",
-        "refused_recent",
-        "bubble_fraction",
-    }
+    assert d["verdict"]["problems"][0] == {"severity": "degraded", "why": d["verdict"]["problems"][0]["why"],
+                                           "block": [2, 4], "peer": "p1"}
+    assert set(d["run"]) == {"name", "step", "total_steps", "loss", "val_loss", "tokens_per_s", "eta_s",
+                             "wire_bytes_per_token", "loss_history", "heartbeat_s", "max_staleness", "failure",
+                             "recovering", "recovering_layers"}
+    assert set(d["peers"][0]) == {"name", "device", "block", "state", "tokens_per_s", "up_mbit_s", "down_mbit_s",
+                                  "staleness_counts", "staleness_p50", "staleness_p99", "heartbeat_age_s",
+                                  "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction"}
     assert d["blocks"][1] == {"layers": [2, 4], "replicas": 1, "covered": True, "bottleneck": True}
     assert SwarmStatus.from_dict(d) == s  # the --json document parses back too (derived keys ignored)
     assert SwarmStatus.from_dict(json.loads(json.dumps(s.to_dict()))) == s
@@ -278,11 +202,8 @@ def test_render_shows_the_key_facts() -> None:
     assert "1,234 B/token" in lines[1]
     for fact in ("p0", "p1", "p2", "cuda:0 RTX 3060", "[2,4)", "42.0", "40.5", "0/1", "20 s ago", "online"):
         assert fact in text
-    block_rows = {
-        line.split("│")[1].strip(): line
-        for line in lines
-        if line.count("│") >= 4 and "[" in line and "cuda" not in line
-    }
+    block_rows = {line.split("│")[1].strip(): line for line in lines if line.count("│") >= 4 and "[" in line
+                  and "cuda" not in line}
     assert "◀ bottleneck" in block_rows["[2,4)"] and "NO" in block_rows["[4,6)"]
     assert "degraded: peer p1 silent for 20 s" in text  # the second problem is listed below the tables
 
