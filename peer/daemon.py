@@ -80,9 +80,6 @@ class PeerDaemon:
         """The Stage of the current assignment (None before the first)."""
         return self.session.stage
 
-    def stats(self) -> cpb.StageStats:
-        return self.session.stats()
-
     async def run_compute(self, fn, *args, priority: int = OTHER):
         """Run ``fn`` on this peer's compute thread (the current Stage's, when it has one)."""
         if self.stage is not None:
