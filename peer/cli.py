@@ -14,7 +14,7 @@ import uvloop
 
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
-from peer.faults import POISON_MODES
+from peer.faults import POISON_MODES, Faults
 from swarm.auth import parse_token
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
@@ -191,17 +191,19 @@ def join(
         threads=threads,
         step_timeout=step_timeout,
         coordinator_grace=coordinator_grace,
-        slowdown=debug_slowdown,
-        slow_stage=_slow_stage(debug_slow_stage),
-        poison=debug_poison,
-        poison_after=debug_poison_after,
-        crash_at_checkpoint=_crash_at(debug_crash_at_checkpoint),
         swarm_token=swarm_token,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         tls=identity,
     )
-    raise typer.Exit(uvloop.run(_serve(PeerDaemon(settings, discovery))))
+    faults = Faults(
+        slowdown=debug_slowdown,
+        slow_stage=_slow_stage(debug_slow_stage),
+        poison=debug_poison,
+        poison_after=debug_poison_after,
+        crash_at_checkpoint=_crash_at(debug_crash_at_checkpoint),
+    )
+    raise typer.Exit(uvloop.run(_serve(PeerDaemon(settings, discovery, faults))))
 
 
 def _tls_identity(mode: str, cert: Path | None, key: Path | None) -> TlsIdentity | None:

@@ -5,6 +5,10 @@ when ``swarm.schedule.Admission`` allows (in-flight and staleness bounds). With 
 synchronous GPipe schedule exactly; with ``S > 0`` the next steps' micro-batches stream in while the
 current step's gradients are still coming back. Validation drains the pipeline first, so it always sees
 one consistent set of weights. The loss of each micro-batch rides back on its gradient packet.
+
+The driver takes the first stage's :class:`peer.stage.Stage` and uses its data path (forward, encode,
+route; the one backward path); what it tells the coordinator goes through the ``report`` and ``fail``
+callables it is given, so it never reaches into the peer around it.
 """
 
 from __future__ import annotations
@@ -12,25 +16,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from peer.compute import BACKWARD, FORWARD
+from peer.stage import Stage
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.data import Corpus
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.schedule import Admission
 
-if TYPE_CHECKING:
-    from peer.daemon import PeerDaemon
-
 log = logging.getLogger(__name__)
 MIN_REPORT_GAP = 0.25  # seconds between step reports; steps that finish meanwhile ride in the next one
 
 
+Report = Callable[..., Awaitable[None]]  # report(steps=..., evals=..., finished=...)
+
+
 class Driver:
-    def __init__(self, daemon: PeerDaemon, train: TrainConfig, model: ModelConfig, hf: HFConfig | None = None) -> None:
-        self.d, self.train, self.model, self.hf = daemon, train, model, hf
+    """The data source of one first Stage: closed with it (``Stage.source``)."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        train: TrainConfig,
+        model: ModelConfig,
+        hf: HFConfig | None,
+        *,
+        report: Report,
+        fail: Callable[[str], Awaitable[None]],
+        step_timeout: float,
+    ) -> None:
+        self.stage, self.train, self.model, self.hf = stage, train, model, hf
+        self._report, self._fail, self.step_timeout = report, fail, step_timeout
         self.corpus: Corpus | None = None
         self.admission = Admission(train.micro_batches, train.staleness_bound, train.in_flight_limit)
         self._next_id = 1
@@ -71,7 +89,9 @@ class Driver:
             self._task.cancel()
 
     def _mb(self, step: int, index: int, *, eval_: bool = False) -> pb.MicroBatch:
-        mb = pb.MicroBatch(id=self._next_id, step=step, index=index, eval=eval_, weight_version=self.d.runner.version)
+        mb = pb.MicroBatch(
+            id=self._next_id, step=step, index=index, eval=eval_, weight_version=self.stage.runner.version
+        )
         self._next_id += 1
         return mb
 
@@ -93,10 +113,10 @@ class Driver:
         while not condition():
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), self.d.settings.step_timeout)
+                await asyncio.wait_for(self._changed.wait(), self.step_timeout)
             except TimeoutError:
                 raise TimeoutError(
-                    f"nothing came back for {self.d.settings.step_timeout:.0f} s while waiting "
+                    f"nothing came back for {self.step_timeout:.0f} s while waiting "
                     f"for {what}; a stage is stuck or gone"
                 ) from None
 
@@ -125,12 +145,12 @@ class Driver:
             await self._reports.put(None)
             await reporter
         except TimeoutError as e:
-            await self.d.fail(str(e))
+            await self._fail(str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - report, then let the coordinator decide
             log.exception("driver failed")
-            await self.d.fail(f"data source failed: {e}")
+            await self._fail(f"data source failed: {e}")
         finally:
             reporter.cancel()
 
@@ -144,40 +164,33 @@ class Driver:
             items = [i for i in items if i is not None]
             steps = [i for i in items if isinstance(i, cpb.StepResult)]
             evals = [i for i in items if isinstance(i, cpb.EvalResult)]
-            await self.d.report(steps=steps, evals=evals, finished=finished)
+            await self._report(steps=steps, evals=evals, finished=finished)
             if finished:
                 return
             await asyncio.sleep(MIN_REPORT_GAP)  # fast steps: one report carries many (the coordinator rate-limits)
 
     async def _forward(self, mb: pb.MicroBatch, x, y) -> None:
-        d = self.d
-        runner = d.runner
+        stage = self.stage
+        runner = stage.runner
         train = not mb.eval
-        result = await d.run_compute(
+        result = await stage.compute(
             lambda: runner.forward(mb.id, x, y if runner.is_last else None, train=train), priority=FORWARD
         )
         if runner.is_last:  # a single-stage swarm: the loss is already here
             self._account(mb, result.loss_sum, result.tokens, dropped=False)
             return
-        packet = await d.run_compute(d.policy.activations, mb, result.output, y, priority=FORWARD)
-        await d.send_down(packet)
+        packet = await stage.compute(stage.policy.activations, mb, result.output, y, priority=FORWARD)
+        if not stage.closed:
+            await stage.send_down(packet)
 
-    async def on_gradients(self, g: pb.Gradients) -> None:
-        """A gradient (or an eval loss, or a drop) came back from stage 1."""
-        d = self.d
+    async def on_gradients(self, g: pb.Gradients, sender: str) -> None:
+        """A gradient (or an eval loss, or a drop) came back from ``sender``, the holder of stage 1 that ran
+        its forward: a refused gradient is charged to that holder (``Stage.backward_job``)."""
         if g.mb.eval:
             self._account(g.mb, g.loss_sum, g.tokens, dropped=g.dropped)
             return
-        sender = d.assignment.downstream_peer if d.assignment is not None else ""
-
-        def job():
-            grad = None if g.dropped else d.policy.decode(g.grad)
-            if grad is not None and not d.plausible(grad, sender, "gradients"):
-                grad = None  # refused as implausible: dropped, and counted as processed like a stale one
-            return d.runner.backward(g.mb.id, grad)
-
-        result = await d.run_compute(job, priority=BACKWARD)
-        self._account(g.mb, g.loss_sum, g.tokens, dropped=result.dropped)
+        packet = await self.stage.compute(self.stage.backward_job, g, sender, priority=BACKWARD)
+        self._account(g.mb, g.loss_sum, g.tokens, dropped=packet.gradients.dropped)
 
     def _account(self, mb: pb.MicroBatch, loss_sum: float, tokens: int, *, dropped: bool) -> None:
         if mb.eval:
@@ -223,7 +236,7 @@ class Driver:
             self._evals[mb.id] = fut
             futures.append(fut)
             await self._forward(mb, x, y)
-        results = await asyncio.wait_for(asyncio.gather(*futures), self.d.settings.step_timeout)
+        results = await asyncio.wait_for(asyncio.gather(*futures), self.step_timeout)
         dropped = sum(1 for r in results if r[2])
         if dropped:
             log.warning("validation at step %d skipped: %d of its micro-batches were dropped", step, dropped)

@@ -1,4 +1,5 @@
-"""Deliberate faults for tests: a peer that poisons what it sends (``ravn-peer join --debug-poison``), or
+"""Deliberate faults for tests, apart from the settings a real peer runs with: a slow peer
+(``--debug-slowdown``, ``--debug-slow-stage``), a peer that poisons what it sends (``--debug-poison``), or
 one that dies between taking a checkpoint and uploading it (``--debug-crash-at-checkpoint``).
 
 A real component with one method overridden (as hivemind's tests inject a "faulty averager"): the
@@ -9,6 +10,7 @@ Eval micro-batches pass untouched, so only the sanity checks of its neighbours c
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +22,24 @@ from swarm.wire import tensor_to_pb
 
 POISON_MODES = ("scale", "nan")
 SCALE = 1e6
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The test knobs of one peer process (all off by default; never set in production)."""
+
+    slowdown: float = 0.0  # extra seconds per training pass: an artificially slow peer
+    slow_stage: tuple[int, float] | None = None  # whoever holds this stage is this much slower per pass
+    poison: str = ""  # "scale" or "nan" corrupts every training tensor sent, after poison_after steps
+    poison_after: int = 0
+    crash_at_checkpoint: tuple[int, int] | None = None  # (stage, version) whose holder dies, see crash_due
+
+    def slow(self, stage: int) -> None:
+        """Sleep as long as this peer is told to be slow at ``stage`` (compute thread, training passes only)."""
+        if self.slowdown:
+            time.sleep(self.slowdown)
+        if self.slow_stage is not None and self.slow_stage[0] == stage:
+            time.sleep(self.slow_stage[1])
 
 
 @dataclass
@@ -50,11 +70,11 @@ class PoisonedPolicy(WirePolicy):
         return packet
 
 
-def crash_due(spec: tuple[int, int] | None, stage: int, generation: int, version: int) -> bool:
+def crash_due(spec: tuple[int, int] | None, stage: int, first_assignment: bool, version: int) -> bool:
     """``--debug-crash-at-checkpoint STAGE=VERSION``: does the holder of STAGE die now, instead of uploading
     checkpoint VERSION? Only in the peer's first assignment, so that a survivor given that stage by the
     recovery replays the same version without dying too (a fault that strikes once, at a known moment)."""
-    return spec is not None and generation == 0 and spec == (stage, version)
+    return spec is not None and first_assignment and spec == (stage, version)
 
 
 def wire_policy(

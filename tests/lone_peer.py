@@ -13,16 +13,16 @@ import contextlib
 import signal
 import sys
 
-from peer.daemon import PeerDaemon, PeerSettings
+from peer.daemon import PeerDaemon
 from swarm.multiaddrs import multiaddr_to_grpc_target
+from tests.sealed_plans import peer_settings
 from tests.test_fuzz import assignment  # the same fixed assignment the fuzz target serves
 
 
 async def main(token: str, upstream_key: str) -> None:
-    daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu", swarm_token=token))
-    daemon.peer_key = {"upstream": upstream_key}.get  # the key a signed plan would pin for the upstream
+    daemon = PeerDaemon(peer_settings("last", device="cpu", swarm_token=token))
     endpoint = await daemon.start_server()
-    await daemon._on_assign(assignment())
+    await daemon.session._on_assign(assignment(upstream_key))  # its sealed plan pins the upstream's key
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     print(f"serving {multiaddr_to_grpc_target(endpoint)}", flush=True)

@@ -9,15 +9,16 @@ import asyncio
 import grpc
 import torch
 
-from peer.daemon import PeerDaemon, PeerSettings
+from peer.daemon import PeerDaemon
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
 from swarm.messages import model_to_pb, train_to_pb
 from swarm.multiaddrs import multiaddr_to_grpc_target
-from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.transport import hello_packet
 from swarm.wire import Reassembler, split_packet, tensor_from_pb, tensor_to_pb
+from tests.sealed_plans import assignment as sealed_assignment
+from tests.sealed_plans import peer_settings
 
 CFG = MODEL_PRESETS["gpt-tiny"]
 B, T = 2, 16
@@ -76,20 +77,14 @@ async def exchange(target: str, outgoing: list[pb.Frame]) -> tuple[list[pb.Packe
 
 
 async def with_peer(test) -> None:
-    daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu"))
+    daemon = PeerDaemon(peer_settings("last", device="cpu"))
     endpoint = await daemon.start_server()
-    assignment = cpb.Assignment(
-        run_id="run",
-        stage=1,
-        num_stages=2,
-        layer_start=1,
-        layer_end=CFG.n_layers,
+    assignment = sealed_assignment(
+        [(0, 1, [("upstream", "/ip4/127.0.0.1/tcp/1")]), (1, CFG.n_layers, [("last", "/ip4/127.0.0.1/tcp/2")])],
         model=model_to_pb(CFG),
         train=train_to_pb(TrainConfig(micro_batches=1, micro_batch_size=B)),
-        upstream_peer="upstream",
-        upstream_endpoint="/ip4/127.0.0.1/tcp/1",
     )
-    await daemon._on_assign(assignment)
+    await daemon.session._on_assign(assignment)
     try:
         await test(multiaddr_to_grpc_target(endpoint), daemon)
     finally:
@@ -122,7 +117,7 @@ def test_bad_messages_get_invalid_argument_and_the_peer_keeps_serving() -> None:
         for i, (text, bad) in enumerate(BAD_CASES.items()):
             await expect_refusal(target, frames(HELLO) + bad, grpc.StatusCode.INVALID_ARGUMENT, text)
             await expect_served(target, 100 + i)
-        assert daemon.refused >= len(BAD_CASES) - 1  # decode errors count too
+        assert daemon.stage.refused >= len(BAD_CASES) - 1  # decode errors count too
         # NaN or implausible hidden states are not refused but dropped and counted: tests/test_sanity_wired.py
 
     asyncio.run(with_peer(scenario))

@@ -21,7 +21,10 @@ from safetensors import safe_open
 from coordinator.run_settings import RunSettings
 from coordinator.sessions import PeerSession
 from coordinator.swarm_run import SwarmRun
-from peer.daemon import PeerDaemon, PeerSettings
+from peer.checkpoints import Checkpoints
+from peer.compute import ComputeWorker
+from peer.faults import Faults
+from peer.stage import Stage
 from swarm.checkpoint import state_digest
 from swarm.config import MODEL_PRESETS, TrainConfig
 from swarm.model import StageModel
@@ -92,30 +95,41 @@ class RecordingControl:
 
 
 def test_a_peer_drops_a_checkpoint_taken_under_an_assignment_it_no_longer_holds() -> None:
+    """The step that took a snapshot finishes after a re-plan closed its Stage: nothing is uploaded."""
+
     async def scenario() -> None:
-        daemon = PeerDaemon(PeerSettings(peer_id="p0", device="cpu"))
         control = RecordingControl()
-        daemon._control = control
-        daemon.assignment = cpb.Assignment(stage=0, layer_start=0, layer_end=3, epoch=1)
+        compute = ComputeWorker()
+        checkpoints = Checkpoints("p0", lambda: control, lambda: True, Faults())
+        tasks: list[asyncio.Task] = []
+        stage = SimpleNamespace(
+            closed=False,
+            number=0,
+            hooks=SimpleNamespace(compute=compute, checkpoint=checkpoints.on_snapshot),
+            runner=SimpleNamespace(pending_checkpoint=None),
+            stepped=asyncio.Event(),
+            assignment=cpb.Assignment(epoch=1),
+            view=SimpleNamespace(stage=0, layers=(0, 3)),
+            spawn=lambda coro, name: tasks.append(asyncio.ensure_future(coro)) or tasks[-1],
+        )
         try:
             snapshot = (5, {"layers.0.w": torch.ones(4)}, {})
 
             def step_then_reassigned() -> None:  # the step that took the snapshot finishes after a re-plan
-                daemon.runner.pending_checkpoint = snapshot
-                daemon.generation += 1
+                stage.runner.pending_checkpoint = snapshot
+                stage.closed = True
 
-            daemon.runner = SimpleNamespace(pending_checkpoint=None)
-            await daemon.run_compute(step_then_reassigned)
-            await asyncio.gather(*daemon._tasks)
-            assert control.uploads == 0 and daemon.runner.pending_checkpoint is None
+            await Stage.compute(stage, step_then_reassigned)
+            await asyncio.gather(*tasks)
+            assert control.uploads == 0 and stage.runner.pending_checkpoint is None
 
-            daemon.runner.pending_checkpoint = snapshot  # the same step, while the assignment stands
-            await daemon.run_compute(lambda: None)
-            await asyncio.gather(*daemon._tasks)
+            stage.closed = False  # the same step, while the assignment stands
+            stage.runner.pending_checkpoint = snapshot
+            await Stage.compute(stage, lambda: None)
+            await asyncio.gather(*tasks)
             assert control.uploads == 1
         finally:
-            daemon._control = None
-            await daemon.close()
+            await asyncio.to_thread(compute.close)
 
     asyncio.run(scenario())
 

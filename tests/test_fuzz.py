@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from peer.compute import BACKWARD
-from peer.daemon import PeerDaemon, PeerSettings
+from peer.daemon import PeerDaemon
 from swarm import auth
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
 from swarm.identity import public_key_text
@@ -57,6 +57,8 @@ from swarm.record_signing import new_key
 from swarm.stage_runner import StageRunner
 from swarm.transport import hello_packet
 from swarm.wire import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
+from tests.sealed_plans import assignment as sealed_assignment
+from tests.sealed_plans import peer_settings
 
 CFG = MODEL_PRESETS["gpt-tiny"]
 B, T = 2, 16
@@ -91,17 +93,12 @@ MASKED_STATUS = "Internal error from Core"
 # ---- the live peer and how to talk to it ----------------------------------------------------------
 
 
-def assignment() -> cpb.Assignment:
-    return cpb.Assignment(
-        run_id="run",
-        stage=1,
-        num_stages=2,
-        layer_start=1,
-        layer_end=CFG.n_layers,
-        model=model_to_pb(CFG),
-        train=train_to_pb(TRAIN),
-        upstream_peer="upstream",
-        upstream_endpoint="/ip4/127.0.0.1/tcp/1",
+def assignment(upstream_key: str | None = None) -> cpb.Assignment:
+    """The last stage of two; the sealed plan pins ``upstream_key`` (default: UPSTREAM_KEY's) for "upstream"."""
+    key = upstream_key or public_key_text(UPSTREAM_KEY)
+    stages = [(0, 1, [("upstream", "/ip4/127.0.0.1/tcp/1")]), (1, CFG.n_layers, [("last", "/ip4/127.0.0.1/tcp/2")])]
+    return sealed_assignment(
+        stages, plan_kw={"public_keys": {"upstream": key}}, model=model_to_pb(CFG), train=train_to_pb(TRAIN)
     )
 
 
@@ -121,10 +118,9 @@ PACE = Pace(0.9 * LimitSettings().calls_per_s)
 
 
 async def start_peer() -> tuple[PeerDaemon, str]:
-    daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu", swarm_token=TOKEN))
-    daemon.peer_key = {"upstream": public_key_text(UPSTREAM_KEY)}.get  # what a signed plan would pin
+    daemon = PeerDaemon(peer_settings("last", device="cpu", swarm_token=TOKEN))
     endpoint = await daemon.start_server()
-    await daemon._on_assign(assignment())
+    await daemon.session._on_assign(assignment())  # its sealed plan pins the upstream's key
     return daemon, multiaddr_to_grpc_target(endpoint)
 
 
@@ -533,11 +529,13 @@ def test_live_peer_survives_fuzzing_and_still_computes_correct_gradients() -> No
 
         # the fuzzer sent NaN and absurd norms as "upstream": the peer dropped them and may have quarantined
         # it (tests/test_sanity_wired.py); an operator forgives it, so the check below is served again
-        rejected = sum(daemon.sanity.rejections.values())
-        daemon.sanity.forgive("upstream")
+        rejected = sum(daemon.stage.sanity.rejections.values())
+        daemon.stage.sanity.forgive("upstream")
         # still alive, and still right: gradients equal to the same stage computed here
         state = loop.run_until_complete(
-            daemon.run_compute(lambda: {k: v.detach().clone() for k, v in daemon.runner.model.state_dict().items()})
+            daemon.run_compute(
+                lambda: {k: v.detach().clone() for k, v in daemon.stage.runner.model.state_dict().items()}
+            )
         )
         assert all(bool(torch.isfinite(v).all()) for v in state.values()), "fuzzing corrupted the weights"
         g = torch.Generator().manual_seed(SEED)
@@ -558,7 +556,8 @@ def test_live_peer_survives_fuzzing_and_still_computes_correct_gradients() -> No
     summary = {family: dict(c) for family, c in tally.codes.items()}
     print(
         f"\nfuzz: {tally.messages} messages on {tally.streams} streams in {fuzz_seconds:.1f} s; "
-        f"RSS {rss_before:.0f} -> {rss_after:.0f} MB; refused by the peer: {daemon.refused}; rejected: {rejected}; "
+        f"RSS {rss_before:.0f} -> {rss_after:.0f} MB; refused by the peer: {daemon.stage.refused}; "
+        f"rejected: {rejected}; "
         f"skipped as poisonous (finding 1): {dict(FILTERED)}; {summary}"
     )
     assert not tally.unexpected, "\n".join(tally.unexpected[:20])
@@ -594,7 +593,7 @@ def good_frames(mb_id: int, scale: float = 1.0, batch: int = B) -> list[pb.Frame
 def test_huge_finite_activations_do_not_poison_the_weights() -> None:
     async def scenario(daemon: PeerDaemon, target: str) -> None:
         await exchange_status(target, good_frames(1, scale=1e20))  # finite, so the NaN check passes it
-        assert all(bool(torch.isfinite(p).all()) for p in daemon.runner.model.parameters())
+        assert all(bool(torch.isfinite(p).all()) for p in daemon.stage.runner.model.parameters())
         assert await served_gradient(target, good_frames(2)) is not None
 
     with_fresh_peer(scenario)

@@ -25,10 +25,10 @@ def test_only_the_holder_of_the_planned_key_passes_as_that_neighbour() -> None:
     plan["stages"][0]["peers"][0]["public_key"] = UPSTREAM.public_key
     keys = plan_keys(Plan.model_validate(plan))
     assert keys == {"peer-a": UPSTREAM.public_key}  # peer-b's record had no key: none is pinned for it
-    daemon = SimpleNamespace(settings=SimpleNamespace(swarm_token=TOKEN), peer_key=keys.get)
+    daemon = SimpleNamespace(swarm_token=TOKEN, peer_key=keys.get)  # the StageHost fields it reads
     assert impostor(daemon, context("peer-a", UPSTREAM), "peer-a") is None
     assert "not signed by that peer's key" in impostor(daemon, context("peer-a", STRANGER), "peer-a")
     assert "made by 'peer-x' but names peer 'peer-a'" in impostor(daemon, context("peer-x", STRANGER), "peer-a")
     assert "not in the current plan" in impostor(daemon, context("peer-b", STRANGER), "peer-b")
-    open_swarm = SimpleNamespace(settings=SimpleNamespace(swarm_token=""), peer_key=keys.get)
+    open_swarm = SimpleNamespace(swarm_token="", peer_key=keys.get)
     assert impostor(open_swarm, context("peer-x", STRANGER), "peer-a") is None  # no token: nobody is authenticated

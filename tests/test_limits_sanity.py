@@ -196,22 +196,23 @@ def test_limits_behind_auth_charge_the_proven_peer_and_wrap_async_generators() -
 
 def test_real_peer_behind_limits_refuses_a_hello_flood_and_keeps_serving() -> None:
     """The pre-hello buffering hole of the bare peer (see test_fuzz) closed by the interceptor alone."""
-    from peer.daemon import PeerDaemon, PeerSettings
+    from peer.daemon import PeerDaemon
     from peer.stage_service import StageService
     from swarm.pb import wire_pb2_grpc
     from swarm.transport import GRPC_OPTIONS
+    from tests.sealed_plans import peer_settings
     from tests.test_bad_input import HELLO, activations, frames, good_hidden
     from tests.test_fuzz import assignment, served_gradient
 
     async def scenario() -> None:
-        daemon = PeerDaemon(PeerSettings(peer_id="last", device="cpu"))
+        daemon = PeerDaemon(peer_settings("last", device="cpu"))
         server = grpc.aio.server(interceptors=[limits.ServerLimits()], options=GRPC_OPTIONS + limits.SERVER_OPTIONS)
-        wire_pb2_grpc.add_StageServicer_to_server(StageService(daemon), server)
+        wire_pb2_grpc.add_StageServicer_to_server(StageService(daemon.stage_host()), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         daemon._server = server
         try:
-            await daemon._on_assign(assignment())
+            await daemon.session._on_assign(assignment())
             target = f"127.0.0.1:{port}"
             flood = pb.Frame(packet_id=1, data=b"\0" * 65536, total_size=64 << 20)
             code, details = await status_without_half_close(target, [flood])

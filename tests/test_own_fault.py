@@ -19,7 +19,7 @@ from tests.test_fuzz import STREAM_TIMEOUT, good_frames, raw_channel, stream, wi
 
 def test_a_stage_whose_own_encode_fails_keeps_its_upstream_uncharged() -> None:
     async def scenario(daemon: PeerDaemon, target: str) -> None:
-        runner = daemon.runner
+        runner = daemon.stage.runner
         forward = runner.forward
 
         def beyond_fp16(*args, **kwargs):  # this stage's own input gradient is too large for its codec
@@ -28,11 +28,11 @@ def test_a_stage_whose_own_encode_fails_keeps_its_upstream_uncharged() -> None:
             return dataclasses.replace(result, input_grad=grad)
 
         runner.forward = beyond_fp16
-        daemon.policy.backward = "fp16"
+        daemon.stage.policy.backward = "fp16"
         async with raw_channel(target) as channel:
             _, code, details, replies = await asyncio.wait_for(stream(channel, good_frames(5)), STREAM_TIMEOUT)
         assert code == grpc.StatusCode.OK, (code, details)  # the upstream's stream is not refused
-        assert daemon.refused == 0 and not daemon.sanity.rejections
+        assert daemon.stage.refused == 0 and not daemon.stage.sanity.rejections
         reasm = Reassembler()
         packets = [p for p in map(reasm.push, replies) if p is not None]
         grads = [p.gradients for p in packets if p.WhichOneof("body") == "gradients"]

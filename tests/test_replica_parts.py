@@ -9,14 +9,14 @@ import grpc
 import pytest
 import torch
 
-from peer.averaging import AverageGroup, AverageRefused, decode_deltas, encode_deltas
+from peer.replicas.averaging import AverageGroup, AverageRefused, decode_deltas, encode_deltas
+from peer.replicas.routing import ReplicaRouter
+from peer.replicas.shares import SenderSplit, UpstreamShares
 from swarm.config import ModelConfig, TrainConfig
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.routing import ReplicaRouter
 from swarm.sanity import LinkSanity
 from swarm.stage_runner import StageRunner
-from swarm.step_shares import SenderSplit, UpstreamShares
 
 CFG = ModelConfig(n_layers=3, d_model=32, n_heads=2, vocab_size=64, context=16)
 

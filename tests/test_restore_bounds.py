@@ -13,7 +13,8 @@ import asyncio
 import pytest
 import torch
 
-from peer.daemon import PeerDaemon, PeerSettings
+from peer.checkpoints import restore_block
+from peer.compute import ComputeWorker
 from swarm.config import MODEL_PRESETS, TrainConfig
 from swarm.messages import AssignmentError
 from swarm.model import StageModel
@@ -47,15 +48,12 @@ def state_chunk(tensors: dict[str, torch.Tensor]) -> cpb.StateChunk:
 
 def restore(tensors: dict[str, torch.Tensor]) -> StageRunner:
     async def scenario() -> StageRunner:
-        daemon = PeerDaemon(PeerSettings(peer_id="p1", device="cpu"))
-        daemon.runner = StageRunner(CFG, TrainConfig(), 1, 3)
-        daemon._control = ServingControl(state_chunk(tensors))
+        runner, compute = StageRunner(CFG, TrainConfig(), 1, 3), ComputeWorker()
         try:
-            await daemon._restore(5)
-            return daemon.runner
+            await restore_block(ServingControl(state_chunk(tensors)), "p1", runner, 5, compute.run)
+            return runner
         finally:
-            daemon._control = None
-            await daemon.close()
+            await asyncio.to_thread(compute.close)
 
     return asyncio.run(scenario())
 

@@ -104,7 +104,7 @@ def test_resume_claim_round_trips_and_rejects_bad_metadata() -> None:
 
 
 def test_undelivered_reports_merge_into_one_in_order() -> None:
-    from peer.daemon import merge_reports
+    from peer.reports import merge_reports
     from swarm.pb import control_pb2 as cpb
 
     first = cpb.StatusReport(peer_id="p0", steps=[cpb.StepResult(step=20)], ready=True)

@@ -51,17 +51,17 @@ def test_implausible_activations_are_dropped_counted_and_quarantine_their_sender
         for k, hidden in enumerate(bad):  # z-score, NaN, magnitude: each dropped, the stream stays up
             g = await send(target, hidden, 100 + k)
             assert g.dropped and not g.HasField("grad"), g
-        stats = daemon.stats()
+        stats = daemon.session.stats()
         assert stats.rejected == 3 and dict(stats.rejected_by_sender) == {"upstream": 3}
-        assert daemon.refused == 0  # dropped, not refused: nothing waits for a micro-batch that never returns
-        assert "quarantined after 3 rejected tensors" in daemon.sanity.quarantine.reason("upstream")
+        assert daemon.stage.refused == 0  # dropped, not refused: nothing waits for a micro-batch that never returns
+        assert "quarantined after 3 rejected tensors" in daemon.stage.sanity.quarantine.reason("upstream")
         g = await send(target, torch.randn(B, T, CFG.d_model), 200)  # quarantined: even honest-looking ones
         assert g.dropped
-        assert all(bool(torch.isfinite(p).all()) for p in daemon.runner.model.parameters())
-        daemon.metrics.update(daemon.stats())
+        assert all(bool(torch.isfinite(p).all()) for p in daemon.stage.runner.model.parameters())
+        daemon.metrics.update(daemon.session.stats())
         scrape = daemon.metrics_server.scrape()
         assert 'ravn_peer_rejected_tensors_by_sender_total{peer="last",sender="upstream"} 3.0' in scrape
-        daemon.sanity.forgive("upstream")  # an operator's decision: served again
+        daemon.stage.sanity.forgive("upstream")  # an operator's decision: served again
         g = await send(target, torch.randn(B, T, CFG.d_model), 201)
         assert not g.dropped and bool(torch.isfinite(tensor_from_pb(g.grad)).all())
 
