@@ -20,11 +20,12 @@ import peer.daemon as daemon_module
 from coordinator.membership import make_plan
 from coordinator.run_settings import RunSettings
 from coordinator.swarm_run import SwarmRun
-from peer.daemon import PeerDaemon, PeerSettings
+from peer.daemon import PeerDaemon
 from swarm import bench, measure
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht_schema import Plan, PlannedLayer
 from swarm.model import TransformerLayer
+from tests.sealed_plans import peer_settings
 
 
 def published_plan(tmp_path: Path, model: ModelConfig, train: TrainConfig, **kw) -> Plan:
@@ -43,9 +44,9 @@ def measured_by_peer(plan: Plan, monkeypatch: pytest.MonkeyPatch) -> float:
         return None
 
     async def go() -> float:
-        daemon = PeerDaemon(PeerSettings(peer_id="p0", device="cpu"))
+        daemon = PeerDaemon(peer_settings("p0", device="cpu"))
         daemon.endpoint = "/ip4/127.0.0.1/tcp/2"
-        monkeypatch.setattr(daemon, "control_channel", no_channel)
+        monkeypatch.setattr(daemon.channels, "coordinator", no_channel)
         try:
             return (await daemon._measure(plan)).throughput_layers_per_s
         finally:
