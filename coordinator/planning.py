@@ -150,31 +150,15 @@ class Planning:
         return blocks, [list(b.peer_ids) for b in placed.blocks], placed.throughput
 
     def _assignment(self, peer_id: str) -> cpb.Assignment:
-        view = plan_view(self.plan, peer_id)
-        up = next(iter(view.upstreams.items()), None)
-        down = next(iter(view.downstreams.items()), None)
+        """The configs and restore point for ``peer_id``, with the sealed plan it derives its place from."""
+        plan_view(self.plan, peer_id)  # the plan must give this peer a block
         sealed = seal_plan(self.plan, self.membership.key)
         return cpb.Assignment(
             run_id=self.run_id,
-            stage=view.stage,
-            num_stages=view.num_stages,
-            layer_start=view.layers[0],
-            layer_end=view.layers[1],
             model=model_to_pb(self.s.model),
             train=train_to_pb(self.s.train),
-            upstream_endpoint=up[1] if up else "",
-            downstream_endpoint=down[1] if down else "",
-            upstream_peer=up[0] if up else "",
-            downstream_peer=down[0] if down else "",
             hf=hf_to_pb(self.s.hf) if self.s.hf else None,
             restore_version=self._restore_version,
             epoch=self.store.epoch,
-            dial_upstream=view.dial_upstream,
-            accept_downstream=view.accept_downstream,
-            upstreams=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.upstreams.items()],
-            downstreams=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.downstreams.items()],
-            replicas=[cpb.Neighbour(peer_id=p, endpoint=e) for p, e in view.replicas.items()]
-            if view.replicated
-            else [],
             plan=cpb.SignedPlan(body=sealed["body"], sig=sealed["sig"]),
         )

@@ -22,6 +22,7 @@ from coordinator.run_record import RunRecord
 from coordinator.run_settings import RunFailed, RunSettings
 from coordinator.sessions import PeerSession, Sessions
 from swarm.pb import control_pb2 as cpb
+from swarm.plan_view import plan_view
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class Recovery:
             for peer_id, session in sessions.peers.items():
                 session.ready = False
                 assignment = planning._assignment(peer_id)
-                session.stage = assignment.stage
+                session.stage = plan_view(planning.plan, peer_id).stage
                 session.commands.put_nowait(cpb.Command(assign=assignment))
             if joiners:  # they dial in when they see the new plan, and get their assignment then
                 flow.joined.clear()

@@ -20,6 +20,7 @@ from coordinator.planning import Planning
 from coordinator.progress import Progress
 from coordinator.run_flow import RunFlow
 from swarm.pb import control_pb2 as cpb
+from swarm.plan_view import plan_view, stage_of
 from swarm.resume import ResumeClaim
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,8 @@ class Sessions:
         session = PeerSession(req.peer_id, req.endpoint, req.device, req.free_memory)
         self.peers[req.peer_id] = session
         assignment = self.planning._assignment(req.peer_id)
-        session.stage = assignment.stage
-        if claim is not None and self._matches(claim, assignment):
+        session.stage = plan_view(self.planning.plan, req.peer_id).stage
+        if claim is not None and self._matches(claim, req.peer_id):
             session.adopted = session.ready = True  # it trains on with the block it has: no new assignment
             self.records_due[req.peer_id] = time.monotonic() + self.membership.ttl + 2 * self.membership.s.heartbeat
             self.progress.message(
@@ -98,14 +99,16 @@ class Sessions:
             self.flow.joined.set()
         return session
 
-    def _matches(self, claim: ResumeClaim, a: cpb.Assignment) -> bool:
+    def _matches(self, claim: ResumeClaim, peer_id: str) -> bool:
         """Does a re-attaching peer hold exactly what the current plan gives it?"""
         plan = self.planning.plan
+        if plan is None or stage_of(plan, peer_id) is None:
+            return False
+        view = plan_view(plan, peer_id)
         return (
-            plan is not None
-            and claim.run_id == self.planning.run_id
+            claim.run_id == self.planning.run_id
             and claim.plan_version <= plan.version  # one peer per stage: same blocks, same neighbours
-            and (claim.stage, claim.layer_start, claim.layer_end) == (a.stage, a.layer_start, a.layer_end)
+            and (claim.stage, (claim.layer_start, claim.layer_end)) == (view.stage, view.layers)
             and claim.weight_version >= self.planning.restore_version
             and claim.epoch == self.store.epoch  # its block belongs to the current timeline
         )

@@ -17,9 +17,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from peer.faults import Faults, crash_due
+from peer.plan_trust import AssignmentError
 from peer.stage import Snapshot, Stage
 from swarm.checkpoint import state_digest
-from swarm.messages import AssignmentError
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.stage_runner import StageRunner

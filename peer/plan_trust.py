@@ -13,9 +13,12 @@ from hivemind.utils.crypto import RSAPublicKey
 
 from swarm.dht_records import PLAN_ENVELOPE_VERSION, PlanVerificationError, verify_plan
 from swarm.dht_schema import Plan
-from swarm.messages import AssignmentError
 from swarm.pb import control_pb2 as cpb
 from swarm.plan_view import PlanView, PlanViewError, plan_view
+
+
+class AssignmentError(ValueError):
+    """An assignment this peer must not act on (unsigned, another run, an older plan, an impossible block)."""
 
 
 class PlanTrust:

@@ -23,7 +23,7 @@ from peer.control_channel import Channels, ControlAddress, failure_detail
 from peer.discovery import Discovery
 from peer.driver import Driver
 from peer.faults import Faults
-from peer.plan_trust import PlanTrust
+from peer.plan_trust import AssignmentError, PlanTrust
 from peer.reports import Reporter, stage_stats, status_line
 from peer.settings import PeerSettings
 from peer.stage import Stage, StageHooks
@@ -32,7 +32,7 @@ from swarm.config import PROTOCOL_VERSION
 from swarm.dht_schema import PeerRecord, Plan
 from swarm.identity import plan_keys
 from swarm.measure import free_memory_bytes
-from swarm.messages import AssignmentError, assignment_configs
+from swarm.messages import assignment_configs
 from swarm.metrics import PeerMetrics
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc

@@ -24,10 +24,10 @@ import torch
 from peer.compute import BACKWARD, FORWARD, OTHER, ComputeWorker
 from peer.faults import Faults, wire_policy
 from peer.links import DOWNSTREAM, UPSTREAM, Links, dial
+from peer.plan_trust import AssignmentError
 from peer.replicas.replica_set import ReplicaSet
 from swarm.codec_policy import WirePolicy
 from swarm.config import PROTOCOL_VERSION, HFConfig, ModelConfig, TrainConfig
-from swarm.messages import AssignmentError
 from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 2  # 2: every call is signed with the caller's record key (swarm/identity.py)
+PROTOCOL_VERSION = 3  # 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan
 SCHEDULES = ("sync", "async")
 
 

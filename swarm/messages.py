@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from swarm.config import HFConfig, ModelConfig, TrainConfig
-from swarm.dht_schema import Plan
 from swarm.pb import control_pb2 as cpb
-from swarm.plan_view import PlanViewError, plan_view
 from swarm.wire import codec_from_pb, codec_to_pb
 
 
@@ -115,50 +113,3 @@ def hf_from_pb(h: cpb.HFConfig) -> HFConfig:
 def assignment_configs(a: cpb.Assignment) -> tuple[ModelConfig, TrainConfig, HFConfig | None]:
     """The model, recipe and (when fine-tuning) checkpoint an assignment carries."""
     return model_from_pb(a.model), train_from_pb(a.train), hf_from_pb(a.hf) if a.HasField("hf") else None
-
-
-def assignment_neighbours(a: cpb.Assignment) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
-    """(upstream holders, downstream holders, this block's holders) of an assignment, peer id -> endpoint."""
-    ups = {n.peer_id: n.endpoint for n in a.upstreams} or (
-        {a.upstream_peer: a.upstream_endpoint} if a.upstream_peer else {}
-    )
-    downs = {n.peer_id: n.endpoint for n in a.downstreams} or (
-        {a.downstream_peer: a.downstream_endpoint} if a.downstream_peer else {}
-    )
-    return ups, downs, {n.peer_id: n.endpoint for n in a.replicas}
-
-
-class AssignmentError(ValueError):
-    """An assignment that the signed plan does not back: never act on it."""
-
-
-def check_assignment(a: cpb.Assignment, plan: Plan, peer_id: str) -> None:
-    """The coordinator's gRPC assignment must say exactly what its signed DHT plan says."""
-    try:
-        view = plan_view(plan, peer_id)
-    except PlanViewError as e:
-        raise AssignmentError(str(e)) from None
-    problems = []
-    if (a.stage, a.num_stages, (a.layer_start, a.layer_end)) != (view.stage, view.num_stages, view.layers):
-        problems.append(
-            f"stage {a.stage}/{a.num_stages} layers [{a.layer_start},{a.layer_end}) vs signed "
-            f"{view.stage}/{view.num_stages} [{view.layers[0]},{view.layers[1]})"
-        )
-    if a.run_id != plan.run_id:
-        problems.append(f"run {a.run_id!r} vs signed {plan.run_id!r}")
-    ups, downs, replicas = assignment_neighbours(a)
-    for what, got, signed in (
-        ("upstream", ups, view.upstreams),
-        ("downstream", downs, view.downstreams),
-        ("replica", replicas, view.replicas),
-    ):
-        if set(got.items()) - set(signed.items()):
-            problems.append(f"{what} holders {sorted(set(got) - set(signed))} are not in the signed plan")
-        if what != "replica" and bool(got) != bool(signed):
-            problems.append("neighbours differ from the signed plan")
-    if len(replicas) > 1 and peer_id not in replicas:
-        problems.append("the replica list does not name this peer")
-    if (a.dial_upstream, a.accept_downstream) != (view.dial_upstream, view.accept_downstream):
-        problems.append("dial directions differ from the reachability in the signed plan")
-    if problems:
-        raise AssignmentError("assignment does not match the coordinator's signed plan: " + "; ".join(problems))

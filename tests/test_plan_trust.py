@@ -14,8 +14,6 @@ from swarm.config import PROTOCOL_VERSION
 from swarm.dht_keys import generate_private_key, plan_subkey
 from swarm.dht_records import dht_record_validators, publish_plan, seal_plan
 from swarm.dht_schema import plan_key
-from swarm.messages import AssignmentError, check_assignment
-from swarm.pb import control_pb2 as cpb
 
 SWARM = "trust"
 COORD = "/ip4/127.0.0.1/tcp/31337"
@@ -108,66 +106,3 @@ def test_a_plan_of_another_protocol_is_refused_naming_both_versions(swarm) -> No
     disc.dht = membership.dht
     with pytest.raises(DiscoveryError, match=f"protocol version {PROTOCOL_VERSION + 7}.*speaks {PROTOCOL_VERSION}"):
         asyncio.run(disc.find_swarm())
-
-
-def test_assignments_must_match_the_signed_plan() -> None:
-    p = make_plan(
-        swarm=SWARM,
-        run_id="r",
-        version=1,
-        model_name="gpt-tiny",
-        coordinator=COORD,
-        stages=[(0, 2, [("a", "/ip4/127.0.0.1/tcp/1")]), (2, 3, [("b", "/ip4/127.0.0.1/tcp/2")])],
-    )
-    good = cpb.Assignment(
-        run_id="r",
-        stage=1,
-        num_stages=2,
-        layer_start=2,
-        layer_end=3,
-        upstream_peer="a",
-        upstream_endpoint="/ip4/127.0.0.1/tcp/1",
-    )
-    check_assignment(good, p, "b")
-    for bad, text in [
-        (
-            cpb.Assignment(
-                run_id="r",
-                stage=1,
-                num_stages=2,
-                layer_start=1,
-                layer_end=3,
-                upstream_peer="a",
-                upstream_endpoint="/ip4/127.0.0.1/tcp/1",
-            ),
-            "layers",
-        ),
-        (
-            cpb.Assignment(
-                run_id="r",
-                stage=1,
-                num_stages=2,
-                layer_start=2,
-                layer_end=3,
-                upstream_peer="mallory",
-                upstream_endpoint="/ip4/127.0.0.1/tcp/6",
-            ),
-            "mallory",
-        ),
-        (
-            cpb.Assignment(
-                run_id="x",
-                stage=1,
-                num_stages=2,
-                layer_start=2,
-                layer_end=3,
-                upstream_peer="a",
-                upstream_endpoint="/ip4/127.0.0.1/tcp/1",
-            ),
-            "run",
-        ),
-    ]:
-        with pytest.raises(AssignmentError, match=text):
-            check_assignment(bad, p, "b")
-    with pytest.raises(AssignmentError, match="no block"):
-        check_assignment(good, p, "c")

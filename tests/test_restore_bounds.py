@@ -15,8 +15,8 @@ import torch
 
 from peer.checkpoints import restore_block
 from peer.compute import ComputeWorker
+from peer.plan_trust import AssignmentError
 from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.messages import AssignmentError
 from swarm.model import StageModel
 from swarm.pb import control_pb2 as cpb
 from swarm.stage_runner import StageRunner

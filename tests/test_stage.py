@@ -10,12 +10,12 @@ import torch
 from peer.compute import ComputeWorker
 from peer.driver import Driver
 from peer.faults import Faults
-from peer.plan_trust import PlanTrust
+from peer.plan_trust import AssignmentError, PlanTrust
 from peer.stage import Stage, StageHooks
 from swarm.config import MODEL_PRESETS, TrainConfig
 from swarm.dht_keys import generate_private_key
 from swarm.dht_records import seal_plan
-from swarm.messages import AssignmentError, assignment_configs, model_to_pb, train_to_pb
+from swarm.messages import assignment_configs, model_to_pb, train_to_pb
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.sanity import Quarantine

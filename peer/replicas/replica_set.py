@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from peer.compute import BACKWARD
+from peer.plan_trust import AssignmentError
 from peer.replicas.averaging import AverageGroup
 from peer.replicas.routing import ReplicaRouter
 from peer.replicas.shares import SenderSplit, UpstreamShares
 from swarm.config import TrainConfig
-from swarm.messages import AssignmentError
 from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.plan_view import PlanView
 from swarm.sanity import LinkSanity

@@ -108,48 +108,22 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., protocol_version: _Optional[int] = ..., device: _Optional[str] = ..., free_memory: _Optional[int] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("run_id", "stage", "num_stages", "layer_start", "layer_end", "model", "train", "upstream_endpoint", "downstream_endpoint", "upstream_peer", "downstream_peer", "hf", "restore_version", "dial_upstream", "accept_downstream", "upstreams", "downstreams", "replicas", "epoch", "plan")
+    __slots__ = ("run_id", "model", "train", "hf", "restore_version", "epoch", "plan")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
-    STAGE_FIELD_NUMBER: _ClassVar[int]
-    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
-    LAYER_START_FIELD_NUMBER: _ClassVar[int]
-    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
-    UPSTREAM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    DOWNSTREAM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
-    UPSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
-    DOWNSTREAM_PEER_FIELD_NUMBER: _ClassVar[int]
     HF_FIELD_NUMBER: _ClassVar[int]
     RESTORE_VERSION_FIELD_NUMBER: _ClassVar[int]
-    DIAL_UPSTREAM_FIELD_NUMBER: _ClassVar[int]
-    ACCEPT_DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
-    UPSTREAMS_FIELD_NUMBER: _ClassVar[int]
-    DOWNSTREAMS_FIELD_NUMBER: _ClassVar[int]
-    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    stage: int
-    num_stages: int
-    layer_start: int
-    layer_end: int
     model: ModelConfig
     train: TrainConfig
-    upstream_endpoint: str
-    downstream_endpoint: str
-    upstream_peer: str
-    downstream_peer: str
     hf: HFConfig
     restore_version: int
-    dial_upstream: bool
-    accept_downstream: bool
-    upstreams: _containers.RepeatedCompositeFieldContainer[Neighbour]
-    downstreams: _containers.RepeatedCompositeFieldContainer[Neighbour]
-    replicas: _containers.RepeatedCompositeFieldContainer[Neighbour]
     epoch: int
     plan: SignedPlan
-    def __init__(self, run_id: _Optional[str] = ..., stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., upstream_endpoint: _Optional[str] = ..., downstream_endpoint: _Optional[str] = ..., upstream_peer: _Optional[str] = ..., downstream_peer: _Optional[str] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ..., dial_upstream: _Optional[bool] = ..., accept_downstream: _Optional[bool] = ..., upstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., downstreams: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[Neighbour, _Mapping]]] = ..., epoch: _Optional[int] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., train: _Optional[_Union[TrainConfig, _Mapping]] = ..., hf: _Optional[_Union[HFConfig, _Mapping]] = ..., restore_version: _Optional[int] = ..., epoch: _Optional[int] = ..., plan: _Optional[_Union[SignedPlan, _Mapping]] = ...) -> None: ...
 
 class SignedPlan(_message.Message):
     __slots__ = ("body", "sig")
