@@ -4,14 +4,19 @@
 # source: control.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
-_runtime_version.ValidateProtobufRuntimeVersion(_runtime_version.Domain.PUBLIC, 7, 35, 1, "", "control.proto")
+_runtime_version.ValidateProtobufRuntimeVersion(
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'control.proto'
+)
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
@@ -20,75 +25,73 @@ _sym_db = _symbol_database.Default()
 from . import wire_pb2 as wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\rcontrol.proto\x12\x0cravn.control\x1a\nwire.proto"t\n\x0bModelConfig\x12\x10\n\x08n_layers\x18\x01 \x01(\r\x12\x0f\n\x07\x64_model\x18\x02 \x01(\r\x12\x0f\n\x07n_heads\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04"\xbc\x04\n\x0bTrainConfig\x12\x15\n\rmicro_batches\x18\x01 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x02 \x01(\r\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x11\n\tdata_seed\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\t\x12\x12\n\neval_every\x18\x07 \x01(\r\x12\x14\n\x0c\x65val_batches\x18\x08 \x01(\r\x12\x10\n\x08schedule\x18\t \x01(\t\x12&\n\x0cwire_forward\x18\n \x01(\x0e\x32\x10.ravn.wire.Codec\x12\'\n\rwire_backward\x18\x0b \x01(\x0e\x32\x10.ravn.wire.Codec\x12\x14\n\x0cwarmup_steps\x18\x0c \x01(\x01\x12\x11\n\tgrad_clip\x18\r \x01(\x01\x12\x15\n\rmax_staleness\x18\x0e \x01(\r\x12\x17\n\x0fweight_stashing\x18\x0f \x01(\x08\x12\x15\n\rmax_in_flight\x18\x10 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x11 \x01(\r\x12\x15\n\raverage_every\x18\x12 \x01(\r\x12\'\n\raverage_codec\x18\x13 \x01(\x0e\x32\x10.ravn.wire.Codec\x12\x10\n\x08outer_lr\x18\x14 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x15 \x01(\x01\x12\x17\n\x0f\x61verage_timeout\x18\x16 \x01(\x01\x12\x1f\n\x17\x65rror_feedback_backward\x18\x17 \x01(\x08"\x89\x01\n\x08HFConfig\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04int8\x18\x03 \x01(\x08\x12\x11\n\tlora_rank\x18\x04 \x01(\r\x12\x12\n\nlora_alpha\x18\x05 \x01(\x01\x12\x14\n\x0clora_targets\x18\x06 \x03(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t"\x89\x01\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x66ree_memory\x18\x05 \x01(\x04\x12\x18\n\x10software_version\x18\x06 \x01(\t"\xb2\x02\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12(\n\x05model\x18\x06 \x01(\x0b\x32\x19.ravn.control.ModelConfig\x12(\n\x05train\x18\x07 \x01(\x0b\x32\x19.ravn.control.TrainConfig\x12"\n\x02hf\x18\x0c \x01(\x0b\x32\x16.ravn.control.HFConfig\x12\x17\n\x0frestore_version\x18\r \x01(\x04\x12\r\n\x05\x65poch\x18\x13 \x01(\x04\x12&\n\x04plan\x18\x14 \x01(\x0b\x32\x18.ravn.control.SignedPlanJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0e\x10\x0fJ\x04\x08\x0f\x10\x10J\x04\x08\x10\x10\x11J\x04\x08\x11\x10\x12J\x04\x08\x12\x10\x13"\'\n\nSignedPlan\x12\x0c\n\x04\x62ody\x18\x01 \x01(\t\x12\x0b\n\x03sig\x18\x02 \x01(\t".\n\tNeighbour\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t".\n\x05Start\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04""\n\x0c\x43ollectState\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08"\x0e\n\x0cStopTraining"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t"\xa5\x02\n\x07\x43ommand\x12*\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x18.ravn.control.AssignmentH\x00\x12$\n\x05start\x18\x02 \x01(\x0b\x32\x13.ravn.control.StartH\x00\x12\x33\n\rcollect_state\x18\x03 \x01(\x0b\x32\x1a.ravn.control.CollectStateH\x00\x12*\n\x08shutdown\x18\x04 \x01(\x0b\x32\x16.ravn.control.ShutdownH\x00\x12\x33\n\rstop_training\x18\x05 \x01(\x0b\x32\x1a.ravn.control.StopTrainingH\x00\x12*\n\x06update\x18\x06 \x01(\x0b\x32\x18.ravn.control.AssignmentH\x00\x42\x06\n\x04\x62ody"\xbb\x04\n\nStageStats\x12\x1d\n\x15\x66orward_micro_batches\x18\x01 \x01(\x04\x12\x1e\n\x16\x62\x61\x63kward_micro_batches\x18\x02 \x01(\x04\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x0f\n\x07refused\x18\x07 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\x04\x12\x18\n\x10staleness_counts\x18\t \x03(\x04\x12\x14\n\x0cidle_seconds\x18\n \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x0b \x01(\x01\x12\x18\n\x10stash_bytes_peak\x18\x0c \x01(\x04\x12\x16\n\x0ein_flight_peak\x18\r \x01(\x04\x12\x16\n\x0e\x61verage_rounds\x18\x0e \x01(\x04\x12\x15\n\raverage_bytes\x18\x0f \x01(\x04\x12\x15\n\ranchor_digest\x18\x10 \x01(\t\x12\x1a\n\x12lost_micro_batches\x18\x11 \x01(\x04\x12\x10\n\x08rejected\x18\x14 \x01(\x04\x12J\n\x12rejected_by_sender\x18\x15 \x03(\x0b\x32..ravn.control.StageStats.RejectedBySenderEntry\x1a\x37\n\x15RejectedBySenderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01"I\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01"8\n\nEvalResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04"\x8b\x02\n\x0cStatusReport\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ravn.control.StageStats\x12\'\n\x05steps\x18\x04 \x03(\x0b\x32\x18.ravn.control.StepResult\x12\'\n\x05\x65vals\x18\x05 \x03(\x0b\x32\x18.ravn.control.EvalResult\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07leaving\x18\x08 \x01(\x08\x12.\n\x0bquarantined\x18\x14 \x03(\x0b\x32\x19.ravn.control.Quarantined".\n\x0bQuarantined\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t"\r\n\x0bReportReply">\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.ravn.wire.Tensor"\xe0\x01\n\nStateChunk\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12,\n\toptimizer\x18\x07 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x10\n\x08periodic\x18\x08 \x01(\x08\x12\r\n\x05\x65poch\x18\t \x01(\x04"D\n\x11\x46\x65tchStateRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05names\x18\x03 \x03(\t"\x1e\n\x0bUploadReply\x12\x0f\n\x07tensors\x18\x01 \x01(\x04"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r"\x1d\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c"#\n\x0f\x44ialBackRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t"2\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t"\x0f\n\rStatusRequest""\n\x0bStatusReply\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xd0\x03\n\x07\x43ontrol\x12:\n\x04Join\x12\x19.ravn.control.JoinRequest\x1a\x15.ravn.control.Command0\x01\x12?\n\x06Report\x12\x1a.ravn.control.StatusReport\x1a\x19.ravn.control.ReportReply\x12<\n\x0bUploadState\x12\x10.ravn.wire.Frame\x1a\x19.ravn.control.UploadReply(\x01\x12\x41\n\nFetchState\x12\x1f.ravn.control.FetchStateRequest\x1a\x10.ravn.wire.Frame0\x01\x12\x46\n\x08\x44ialBack\x12\x1d.ravn.control.DialBackRequest\x1a\x1b.ravn.control.DialBackReply\x12@\n\x06Status\x12\x1b.ravn.control.StatusRequest\x1a\x19.ravn.control.StatusReply\x12=\n\x05Probe\x12\x1a.ravn.control.ProbeRequest\x1a\x18.ravn.control.ProbeReplyb\x06proto3'
-)
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcontrol.proto\x12\x0cravn.control\x1a\nwire.proto\"t\n\x0bModelConfig\x12\x10\n\x08n_layers\x18\x01 \x01(\r\x12\x0f\n\x07\x64_model\x18\x02 \x01(\r\x12\x0f\n\x07n_heads\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xbc\x04\n\x0bTrainConfig\x12\x15\n\rmicro_batches\x18\x01 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x02 \x01(\r\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x04 \x01(\x01\x12\x11\n\tdata_seed\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\t\x12\x12\n\neval_every\x18\x07 \x01(\r\x12\x14\n\x0c\x65val_batches\x18\x08 \x01(\r\x12\x10\n\x08schedule\x18\t \x01(\t\x12&\n\x0cwire_forward\x18\n \x01(\x0e\x32\x10.ravn.wire.Codec\x12\'\n\rwire_backward\x18\x0b \x01(\x0e\x32\x10.ravn.wire.Codec\x12\x14\n\x0cwarmup_steps\x18\x0c \x01(\x01\x12\x11\n\tgrad_clip\x18\r \x01(\x01\x12\x15\n\rmax_staleness\x18\x0e \x01(\r\x12\x17\n\x0fweight_stashing\x18\x0f \x01(\x08\x12\x15\n\rmax_in_flight\x18\x10 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x11 \x01(\r\x12\x15\n\raverage_every\x18\x12 \x01(\r\x12\'\n\raverage_codec\x18\x13 \x01(\x0e\x32\x10.ravn.wire.Codec\x12\x10\n\x08outer_lr\x18\x14 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x15 \x01(\x01\x12\x17\n\x0f\x61verage_timeout\x18\x16 \x01(\x01\x12\x1f\n\x17\x65rror_feedback_backward\x18\x17 \x01(\x08\"\x89\x01\n\x08HFConfig\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04int8\x18\x03 \x01(\x08\x12\x11\n\tlora_rank\x18\x04 \x01(\r\x12\x12\n\nlora_alpha\x18\x05 \x01(\x01\x12\x14\n\x0clora_targets\x18\x06 \x03(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t\"\x89\x01\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x66ree_memory\x18\x05 \x01(\x04\x12\x18\n\x10software_version\x18\x06 \x01(\t\"\xb2\x02\n\nAssignment\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12(\n\x05model\x18\x06 \x01(\x0b\x32\x19.ravn.control.ModelConfig\x12(\n\x05train\x18\x07 \x01(\x0b\x32\x19.ravn.control.TrainConfig\x12\"\n\x02hf\x18\x0c \x01(\x0b\x32\x16.ravn.control.HFConfig\x12\x17\n\x0frestore_version\x18\r \x01(\x04\x12\r\n\x05\x65poch\x18\x13 \x01(\x04\x12&\n\x04plan\x18\x14 \x01(\x0b\x32\x18.ravn.control.SignedPlanJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0e\x10\x0fJ\x04\x08\x0f\x10\x10J\x04\x08\x10\x10\x11J\x04\x08\x11\x10\x12J\x04\x08\x12\x10\x13\"\'\n\nSignedPlan\x12\x0c\n\x04\x62ody\x18\x01 \x01(\t\x12\x0b\n\x03sig\x18\x02 \x01(\t\".\n\tNeighbour\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\".\n\x05Start\x12\x12\n\nfirst_step\x18\x01 \x01(\x04\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\"\"\n\x0c\x43ollectState\x12\x12\n\ncheckpoint\x18\x01 \x01(\x08\"\x0e\n\x0cStopTraining\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa5\x02\n\x07\x43ommand\x12*\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x18.ravn.control.AssignmentH\x00\x12$\n\x05start\x18\x02 \x01(\x0b\x32\x13.ravn.control.StartH\x00\x12\x33\n\rcollect_state\x18\x03 \x01(\x0b\x32\x1a.ravn.control.CollectStateH\x00\x12*\n\x08shutdown\x18\x04 \x01(\x0b\x32\x16.ravn.control.ShutdownH\x00\x12\x33\n\rstop_training\x18\x05 \x01(\x0b\x32\x1a.ravn.control.StopTrainingH\x00\x12*\n\x06update\x18\x06 \x01(\x0b\x32\x18.ravn.control.AssignmentH\x00\x42\x06\n\x04\x62ody\"\xbb\x04\n\nStageStats\x12\x1d\n\x15\x66orward_micro_batches\x18\x01 \x01(\x04\x12\x1e\n\x16\x62\x61\x63kward_micro_batches\x18\x02 \x01(\x04\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\x12\x16\n\x0eweight_version\x18\x06 \x01(\x04\x12\x0f\n\x07refused\x18\x07 \x01(\x04\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\x04\x12\x18\n\x10staleness_counts\x18\t \x03(\x04\x12\x14\n\x0cidle_seconds\x18\n \x01(\x01\x12\x14\n\x0cwall_seconds\x18\x0b \x01(\x01\x12\x18\n\x10stash_bytes_peak\x18\x0c \x01(\x04\x12\x16\n\x0ein_flight_peak\x18\r \x01(\x04\x12\x16\n\x0e\x61verage_rounds\x18\x0e \x01(\x04\x12\x15\n\raverage_bytes\x18\x0f \x01(\x04\x12\x15\n\ranchor_digest\x18\x10 \x01(\t\x12\x1a\n\x12lost_micro_batches\x18\x11 \x01(\x04\x12\x10\n\x08rejected\x18\x14 \x01(\x04\x12J\n\x12rejected_by_sender\x18\x15 \x03(\x0b\x32..ravn.control.StageStats.RejectedBySenderEntry\x1a\x37\n\x15RejectedBySenderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"I\n\nStepResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"8\n\nEvalResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"\x8b\x02\n\x0cStatusReport\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ravn.control.StageStats\x12\'\n\x05steps\x18\x04 \x03(\x0b\x32\x18.ravn.control.StepResult\x12\'\n\x05\x65vals\x18\x05 \x03(\x0b\x32\x18.ravn.control.EvalResult\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0f\n\x07leaving\x18\x08 \x01(\x08\x12.\n\x0bquarantined\x18\x14 \x03(\x0b\x32\x19.ravn.control.Quarantined\".\n\x0bQuarantined\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\r\n\x0bReportReply\">\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tensor\x18\x02 \x01(\x0b\x32\x11.ravn.wire.Tensor\"\xe0\x01\n\nStateChunk\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x13\n\x0blayer_start\x18\x05 \x01(\r\x12\x11\n\tlayer_end\x18\x06 \x01(\r\x12,\n\toptimizer\x18\x07 \x03(\x0b\x32\x19.ravn.control.NamedTensor\x12\x10\n\x08periodic\x18\x08 \x01(\x08\x12\r\n\x05\x65poch\x18\t \x01(\x04\"D\n\x11\x46\x65tchStateRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05names\x18\x03 \x03(\t\"\x1e\n\x0bUploadReply\x12\x0f\n\x07tensors\x18\x01 \x01(\x04\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1d\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"#\n\x0f\x44ialBackRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\"2\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"\"\n\x0bStatusReply\x12\x13\n\x0bstatus_json\x18\x01 \x01(\t2\xd0\x03\n\x07\x43ontrol\x12:\n\x04Join\x12\x19.ravn.control.JoinRequest\x1a\x15.ravn.control.Command0\x01\x12?\n\x06Report\x12\x1a.ravn.control.StatusReport\x1a\x19.ravn.control.ReportReply\x12<\n\x0bUploadState\x12\x10.ravn.wire.Frame\x1a\x19.ravn.control.UploadReply(\x01\x12\x41\n\nFetchState\x12\x1f.ravn.control.FetchStateRequest\x1a\x10.ravn.wire.Frame0\x01\x12\x46\n\x08\x44ialBack\x12\x1d.ravn.control.DialBackRequest\x1a\x1b.ravn.control.DialBackReply\x12@\n\x06Status\x12\x1b.ravn.control.StatusRequest\x1a\x19.ravn.control.StatusReply\x12=\n\x05Probe\x12\x1a.ravn.control.ProbeRequest\x1a\x18.ravn.control.ProbeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "control_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_STAGESTATS_REJECTEDBYSENDERENTRY"]._loaded_options = None
-    _globals["_STAGESTATS_REJECTEDBYSENDERENTRY"]._serialized_options = b"8\001"
-    _globals["_MODELCONFIG"]._serialized_start = 43
-    _globals["_MODELCONFIG"]._serialized_end = 159
-    _globals["_TRAINCONFIG"]._serialized_start = 162
-    _globals["_TRAINCONFIG"]._serialized_end = 734
-    _globals["_HFCONFIG"]._serialized_start = 737
-    _globals["_HFCONFIG"]._serialized_end = 874
-    _globals["_JOINREQUEST"]._serialized_start = 877
-    _globals["_JOINREQUEST"]._serialized_end = 1014
-    _globals["_ASSIGNMENT"]._serialized_start = 1017
-    _globals["_ASSIGNMENT"]._serialized_end = 1323
-    _globals["_SIGNEDPLAN"]._serialized_start = 1325
-    _globals["_SIGNEDPLAN"]._serialized_end = 1364
-    _globals["_NEIGHBOUR"]._serialized_start = 1366
-    _globals["_NEIGHBOUR"]._serialized_end = 1412
-    _globals["_START"]._serialized_start = 1414
-    _globals["_START"]._serialized_end = 1460
-    _globals["_COLLECTSTATE"]._serialized_start = 1462
-    _globals["_COLLECTSTATE"]._serialized_end = 1496
-    _globals["_STOPTRAINING"]._serialized_start = 1498
-    _globals["_STOPTRAINING"]._serialized_end = 1512
-    _globals["_SHUTDOWN"]._serialized_start = 1514
-    _globals["_SHUTDOWN"]._serialized_end = 1540
-    _globals["_COMMAND"]._serialized_start = 1543
-    _globals["_COMMAND"]._serialized_end = 1836
-    _globals["_STAGESTATS"]._serialized_start = 1839
-    _globals["_STAGESTATS"]._serialized_end = 2410
-    _globals["_STAGESTATS_REJECTEDBYSENDERENTRY"]._serialized_start = 2355
-    _globals["_STAGESTATS_REJECTEDBYSENDERENTRY"]._serialized_end = 2410
-    _globals["_STEPRESULT"]._serialized_start = 2412
-    _globals["_STEPRESULT"]._serialized_end = 2485
-    _globals["_EVALRESULT"]._serialized_start = 2487
-    _globals["_EVALRESULT"]._serialized_end = 2543
-    _globals["_STATUSREPORT"]._serialized_start = 2546
-    _globals["_STATUSREPORT"]._serialized_end = 2813
-    _globals["_QUARANTINED"]._serialized_start = 2815
-    _globals["_QUARANTINED"]._serialized_end = 2861
-    _globals["_REPORTREPLY"]._serialized_start = 2863
-    _globals["_REPORTREPLY"]._serialized_end = 2876
-    _globals["_NAMEDTENSOR"]._serialized_start = 2878
-    _globals["_NAMEDTENSOR"]._serialized_end = 2940
-    _globals["_STATECHUNK"]._serialized_start = 2943
-    _globals["_STATECHUNK"]._serialized_end = 3167
-    _globals["_FETCHSTATEREQUEST"]._serialized_start = 3169
-    _globals["_FETCHSTATEREQUEST"]._serialized_end = 3237
-    _globals["_UPLOADREPLY"]._serialized_start = 3239
-    _globals["_UPLOADREPLY"]._serialized_end = 3269
-    _globals["_PROBEREQUEST"]._serialized_start = 3271
-    _globals["_PROBEREQUEST"]._serialized_end = 3323
-    _globals["_PROBEREPLY"]._serialized_start = 3325
-    _globals["_PROBEREPLY"]._serialized_end = 3354
-    _globals["_DIALBACKREQUEST"]._serialized_start = 3356
-    _globals["_DIALBACKREQUEST"]._serialized_end = 3391
-    _globals["_DIALBACKREPLY"]._serialized_start = 3393
-    _globals["_DIALBACKREPLY"]._serialized_end = 3443
-    _globals["_STATUSREQUEST"]._serialized_start = 3445
-    _globals["_STATUSREQUEST"]._serialized_end = 3460
-    _globals["_STATUSREPLY"]._serialized_start = 3462
-    _globals["_STATUSREPLY"]._serialized_end = 3496
-    _globals["_CONTROL"]._serialized_start = 3499
-    _globals["_CONTROL"]._serialized_end = 3963
+  DESCRIPTOR._loaded_options = None
+  _globals['_STAGESTATS_REJECTEDBYSENDERENTRY']._loaded_options = None
+  _globals['_STAGESTATS_REJECTEDBYSENDERENTRY']._serialized_options = b'8\001'
+  _globals['_MODELCONFIG']._serialized_start=43
+  _globals['_MODELCONFIG']._serialized_end=159
+  _globals['_TRAINCONFIG']._serialized_start=162
+  _globals['_TRAINCONFIG']._serialized_end=734
+  _globals['_HFCONFIG']._serialized_start=737
+  _globals['_HFCONFIG']._serialized_end=874
+  _globals['_JOINREQUEST']._serialized_start=877
+  _globals['_JOINREQUEST']._serialized_end=1014
+  _globals['_ASSIGNMENT']._serialized_start=1017
+  _globals['_ASSIGNMENT']._serialized_end=1323
+  _globals['_SIGNEDPLAN']._serialized_start=1325
+  _globals['_SIGNEDPLAN']._serialized_end=1364
+  _globals['_NEIGHBOUR']._serialized_start=1366
+  _globals['_NEIGHBOUR']._serialized_end=1412
+  _globals['_START']._serialized_start=1414
+  _globals['_START']._serialized_end=1460
+  _globals['_COLLECTSTATE']._serialized_start=1462
+  _globals['_COLLECTSTATE']._serialized_end=1496
+  _globals['_STOPTRAINING']._serialized_start=1498
+  _globals['_STOPTRAINING']._serialized_end=1512
+  _globals['_SHUTDOWN']._serialized_start=1514
+  _globals['_SHUTDOWN']._serialized_end=1540
+  _globals['_COMMAND']._serialized_start=1543
+  _globals['_COMMAND']._serialized_end=1836
+  _globals['_STAGESTATS']._serialized_start=1839
+  _globals['_STAGESTATS']._serialized_end=2410
+  _globals['_STAGESTATS_REJECTEDBYSENDERENTRY']._serialized_start=2355
+  _globals['_STAGESTATS_REJECTEDBYSENDERENTRY']._serialized_end=2410
+  _globals['_STEPRESULT']._serialized_start=2412
+  _globals['_STEPRESULT']._serialized_end=2485
+  _globals['_EVALRESULT']._serialized_start=2487
+  _globals['_EVALRESULT']._serialized_end=2543
+  _globals['_STATUSREPORT']._serialized_start=2546
+  _globals['_STATUSREPORT']._serialized_end=2813
+  _globals['_QUARANTINED']._serialized_start=2815
+  _globals['_QUARANTINED']._serialized_end=2861
+  _globals['_REPORTREPLY']._serialized_start=2863
+  _globals['_REPORTREPLY']._serialized_end=2876
+  _globals['_NAMEDTENSOR']._serialized_start=2878
+  _globals['_NAMEDTENSOR']._serialized_end=2940
+  _globals['_STATECHUNK']._serialized_start=2943
+  _globals['_STATECHUNK']._serialized_end=3167
+  _globals['_FETCHSTATEREQUEST']._serialized_start=3169
+  _globals['_FETCHSTATEREQUEST']._serialized_end=3237
+  _globals['_UPLOADREPLY']._serialized_start=3239
+  _globals['_UPLOADREPLY']._serialized_end=3269
+  _globals['_PROBEREQUEST']._serialized_start=3271
+  _globals['_PROBEREQUEST']._serialized_end=3323
+  _globals['_PROBEREPLY']._serialized_start=3325
+  _globals['_PROBEREPLY']._serialized_end=3354
+  _globals['_DIALBACKREQUEST']._serialized_start=3356
+  _globals['_DIALBACKREQUEST']._serialized_end=3391
+  _globals['_DIALBACKREPLY']._serialized_start=3393
+  _globals['_DIALBACKREPLY']._serialized_end=3443
+  _globals['_STATUSREQUEST']._serialized_start=3445
+  _globals['_STATUSREQUEST']._serialized_end=3460
+  _globals['_STATUSREPLY']._serialized_start=3462
+  _globals['_STATUSREPLY']._serialized_end=3496
+  _globals['_CONTROL']._serialized_start=3499
+  _globals['_CONTROL']._serialized_end=3963
 # @@protoc_insertion_point(module_scope)
