@@ -98,7 +98,7 @@ class Planning:
             for st in self.plan.stages
         ]
 
-    def _publishable(self, stages: Stages) -> Plan:
+    def publishable(self, stages: Stages) -> Plan:
         self.plan_version += 1
         return make_plan(
             reachable=self.reachable,
@@ -115,10 +115,10 @@ class Planning:
         )
 
     # ---- making a plan and an Assignment (the placement rule the runtime uses) --------------------
-    def _plan_for(self, records: list[PeerRecord]) -> Plan:
+    def plan_for(self, records: list[PeerRecord]) -> Plan:
         """The placement of ``coordinator/placement.py`` (chain, replicas, NAT rule) as a signed plan."""
         self.reachable = {r.peer_id: r.reachable is not False for r in records}
-        blocks, groups, throughput = self._layout(records)
+        blocks, groups, throughput = self.layout(records)
         endpoints = {r.peer_id: r.endpoint for r in records}
         self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
         self.public_keys = {r.peer_id: r.public_key for r in records if r.public_key}
@@ -135,9 +135,9 @@ class Planning:
         behind_nat = [g[0] for g in groups if not self.reachable[g[0]]]
         if behind_nat:
             self.progress.message(f"behind NAT (they dial their neighbours): {', '.join(behind_nat)}")
-        return self._publishable(stages)
+        return self.publishable(stages)
 
-    def _layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
+    def layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
         """Blocks, their holders in pipeline order and the predicted micro-batches/s (no side effects)."""
         spec = model_spec(self.s.model, self.s.train, self.s.hf)
         try:
@@ -149,7 +149,7 @@ class Planning:
         blocks = [(b.layer_start, b.layer_end) for b in placed.blocks]
         return blocks, [list(b.peer_ids) for b in placed.blocks], placed.throughput
 
-    def _assignment(self, peer_id: str) -> cpb.Assignment:
+    def assignment(self, peer_id: str) -> cpb.Assignment:
         """The configs and restore point for ``peer_id``, with the sealed plan it derives its place from."""
         plan_view(self.plan, peer_id)  # the plan must give this peer a block
         sealed = seal_plan(self.plan, self.membership.key)

@@ -139,7 +139,7 @@ class Recovery:
             version = planning.restore_version = self.store.latest_complete() or 0
             self.store.begin_epoch(version)  # the dead plan's later checkpoints go; its uploads are refused
             self.record.redo_from(version)
-            await roster.publish(planning._plan_for(survivors))
+            await roster.publish(planning.plan_for(survivors))
             sessions.lost -= gone
             sessions.departed -= gone
             roster.uncovered.clear()
@@ -148,7 +148,7 @@ class Recovery:
             flow.finished.clear()
             for peer_id, session in sessions.peers.items():
                 session.ready = False
-                assignment = planning._assignment(peer_id)
+                assignment = planning.assignment(peer_id)
                 session.stage = plan_view(planning.plan, peer_id).stage
                 session.commands.put_nowait(cpb.Command(assign=assignment))
             if joiners:  # they dial in when they see the new plan, and get their assignment then

@@ -107,8 +107,8 @@ class Roster:
             return
         current = [records[p] for p in planned if p in records]
         try:
-            before = self.planning._layout(current)[2]
-            after = self.planning._layout(current + fresh)[2]
+            before = self.planning.layout(current)[2]
+            after = self.planning.layout(current + fresh)[2]
         except RunFailed:
             return
         names = ", ".join(r.peer_id for r in fresh)
@@ -154,7 +154,7 @@ class Roster:
                 )
                 self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
                 if self.planning.plan is not None:
-                    await self.publish(self.planning._publishable(self.planning.without(peer_id)))
+                    await self.publish(self.planning.publishable(self.planning.without(peer_id)))
                 reason = f"layers [{a},{b}) are uncovered: peer {peer_id} {why}"
                 if not self.s.train.checkpoint_every:
                     reason += " (no checkpoints to recover from: --checkpoint-every 0)"
@@ -176,8 +176,8 @@ class Roster:
         self.record.artifacts.log("membership", peer=peer_id, event="replica_lost", layers=[a, b], reason=why)
         self.progress.message(f"replica {peer_id} of layers [{a},{b}) {why}; its replicas carry on without it")
         if self.planning.plan is not None:
-            await self.publish(self.planning._publishable(self.planning.without(peer_id)))
+            await self.publish(self.planning.publishable(self.planning.without(peer_id)))
             for other, s in self.sessions.peers.items():
-                s.commands.put_nowait(cpb.Command(update=self.planning._assignment(other)))
+                s.commands.put_nowait(cpb.Command(update=self.planning.assignment(other)))
         if self.sessions.peers and all(x.ready for x in self.sessions.peers.values()):
             self.flow.ready.set()

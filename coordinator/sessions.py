@@ -80,7 +80,7 @@ class Sessions:
             )
         session = PeerSession(req.peer_id, req.endpoint, req.device, req.free_memory)
         self.peers[req.peer_id] = session
-        assignment = self.planning._assignment(req.peer_id)
+        assignment = self.planning.assignment(req.peer_id)
         session.stage = plan_view(self.planning.plan, req.peer_id).stage
         if claim is not None and self._matches(claim, req.peer_id):
             session.adopted = session.ready = True  # it trains on with the block it has: no new assignment

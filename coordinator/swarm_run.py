@@ -179,11 +179,11 @@ class SwarmRun:
             if resume is None:
                 flow.enter(Phase.GATHERING)
                 # the swarm exists: come in
-                await roster.publish(self.planning._publishable([(0, s.model.n_layers, [])]))
+                await roster.publish(self.planning.publishable([(0, s.model.n_layers, [])]))
                 records = await roster.gather()
                 flow.enter(Phase.PLANNING)
                 self.store.begin_epoch(0)  # checkpoints left in this folder by another run are not ours
-                await roster.publish(self.planning._plan_for(records))
+                await roster.publish(self.planning.plan_for(records))
                 self.progress.message("plan: " + self.planning.describe())
                 for peer_id, (a, b, _) in self.planning.planned.items():
                     record.artifacts.log("assign", peer=peer_id, layers=[a, b])

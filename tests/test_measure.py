@@ -33,7 +33,7 @@ def published_plan(tmp_path: Path, model: ModelConfig, train: TrainConfig, **kw)
     settings = RunSettings(name="run", run_dir=tmp_path, model=model, train=train, peers=2, **kw)
     run = SwarmRun(settings, SimpleNamespace(s=SimpleNamespace(heartbeat=1.0)))
     run.planning.control_endpoint = "/ip4/127.0.0.1/tcp/1"
-    return Plan.model_validate_json(run.planning._publishable([(0, model.n_layers, [])]).model_dump_json())
+    return Plan.model_validate_json(run.planning.publishable([(0, model.n_layers, [])]).model_dump_json())
 
 
 def measured_by_peer(plan: Plan, monkeypatch: pytest.MonkeyPatch) -> float:
