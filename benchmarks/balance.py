@@ -74,7 +74,13 @@ def one_run(runs_dir: Path, name: str, kill_at: int | None, steps: int | None) -
     text = "".join(out)
     metrics = [json.loads(x) for x in (runs_dir / name / "metrics.jsonl").read_text().splitlines()]
     summary = next(m for m in metrics if m["kind"] == "summary")
+    speeds = [
+        float(m.group(1))
+        for log in sorted((runs_dir / name / "logs").glob("*.log"))
+        for m in re.finditer(r"announced in swarm .*?\(([\d.]+) layers/s", log.read_text())
+    ]
     return {
+        "announced_layers_per_s": speeds,
         "plans": PLAN.findall(text) + REPLAN.findall(text),
         "killed": killed,
         "seconds": time.monotonic() - t0,
@@ -102,6 +108,7 @@ def main() -> None:
             mean = statistics.fmean(r["compute_seconds"])
             devs = ", ".join(f"{c:.1f} s ({(c - mean) / mean:+.0%})" for c in r["compute_seconds"])
             print(f"run {i}: {r['seconds']:.0f} s, {r['tokens_per_s']:,.0f} tok/s, val {r['final_val_loss']:.3f}")
+            print("  announced layers/s: " + ", ".join(f"{v:.1f}" for v in r["announced_layers_per_s"]))
             for j, plan in enumerate(r["plans"]):
                 print(f"  plan {j}: {plan}" + (f"   (after SIGKILL of {r['killed']})" if j else ""))
             print(f"  compute per stage: {devs}; worst {max(abs(c - mean) / mean for c in r['compute_seconds']):.0%}")
