@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.codecs import decode, encode
+from swarm.wire.codecs import decode, encode
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
 OUT_DIR = Path(__file__).resolve().parent / "out"

@@ -283,7 +283,7 @@ def stage_compute_seconds(workload: Workload, n_stages: int, rounds: int = 12) -
 
     import torch
 
-    from swarm.model import StageModel, even_split
+    from swarm.train.model import StageModel, even_split
 
     cfg = MODEL_PRESETS[workload.model]
     b, t = workload.micro_batch_size, cfg.context

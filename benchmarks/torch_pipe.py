@@ -1,8 +1,8 @@
 """The PyTorch baseline: one ``torch.distributed.pipelining`` stage per process, gloo over the lab links.
 
 ``vs_torch_pipelining.py`` starts ``store`` in the coordinator's namespace and one ``worker`` per peer
-namespace. Every worker builds its block with ``swarm.model.StageModel`` (so the weights are the
-ones Ravn starts from), reads the same micro-batches from ``swarm.data.Corpus`` and applies Ravn's
+namespace. Every worker builds its block with ``swarm.train.model.StageModel`` (so the weights are the
+ones Ravn starts from), reads the same micro-batches from ``swarm.train.data.Corpus`` and applies Ravn's
 recipe (AdamW, betas (0.9, 0.95), warm-up then constant learning rate), so the only differences to a
 Ravn sync fp32 run are the schedule implementation and the transport.
 
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.data import Corpus
-from swarm.model import StageModel, even_split
+from swarm.train.data import Corpus
+from swarm.train.model import StageModel, even_split
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -44,7 +44,7 @@ from benchmarks.pipeline_common import (
     wait_for_quiet,
 )
 from swarm.config import MODEL_PRESETS
-from swarm.model import even_split
+from swarm.train.model import even_split
 
 STORE_PORT = 29500
 N_STAGES = 3

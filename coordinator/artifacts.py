@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from swarm.checkpoint import save_checkpoint
 from swarm.config import HFConfig, ModelConfig, TrainConfig
+from swarm.train.checkpoint import save_checkpoint
 
 
 class RunArtifacts:
@@ -35,8 +35,8 @@ class RunArtifacts:
 
     def write_adapter(self, state: dict[str, torch.Tensor], hf: HFConfig) -> Path:
         """Adapters only, in peft's format; reads the checkpoint's config.json, never its weights."""
-        from swarm.hf import adapter_settings
-        from swarm.hf.lora import save_peft_adapter
+        from swarm.train.hf import adapter_settings
+        from swarm.train.hf.lora import save_peft_adapter
 
         settings = adapter_settings(hf.path, rank=hf.lora_rank, alpha=hf.lora_alpha, targets=hf.lora_targets or None)
         return save_peft_adapter(state, self.dir / "adapter", **settings)

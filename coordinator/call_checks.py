@@ -1,6 +1,6 @@
 """Who may make a Control call that names a peer, and which state it may upload.
 
-The proof of every call is checked by :class:`swarm.auth.ServerAuth`; what it cannot know is what the
+The proof of every call is checked by :class:`swarm.security.auth.ServerAuth`; what it cannot know is what the
 request body says. A member could otherwise report, fetch or upload in another member's name, or
 upload a block it does not hold at a version the run never reached: a fake high version then became
 the "latest complete" checkpoint and pruned the real ones. So, before a handler touches the run:
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import grpc
 
-from swarm.identity import IdentityError, check_caller
 from swarm.pb import control_pb2 as cpb
+from swarm.security.identity import IdentityError, check_caller
 
 # How far past the newest reported step a stage's checkpoint may be: reports arrive once a second and a
 # stage may run ahead of the step reports by its staleness bound; a real upload is never this far ahead.

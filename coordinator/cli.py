@@ -16,10 +16,10 @@ from coordinator.options import RunOptions, with_train_options
 from coordinator.run_settings import RunSettings, settings_record
 from coordinator.run_state import CoordinatorState, StateError, forget_run, load_state, settings_diff, state_path
 from coordinator.swarm_run import SwarmRun
-from swarm.auth import load_or_create_token, parse_token
 from swarm.config_file import enable_config, remove_join_file, write_join_file
 from swarm.logs import setup_logging
-from swarm.tls import TlsError, TlsIdentity, identity_from_options
+from swarm.security.auth import load_or_create_token, parse_token
+from swarm.security.tls import TlsError, TlsIdentity, identity_from_options
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 

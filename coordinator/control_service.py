@@ -21,15 +21,15 @@ import torch
 from coordinator.call_checks import CallRefused, caller_is, upload_allowed
 from coordinator.checkpoint_store import StaleCheckpoint
 from coordinator.sessions import PeerSession
-from swarm.auth import authenticated_peer
 from swarm.config import PROTOCOL_VERSION
-from swarm.multiaddrs import EndpointError, multiaddr_to_grpc_target
+from swarm.dht.multiaddrs import EndpointError, multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.resume import ATTACHED_KEY, ResumeClaim
-from swarm.state_checks import BlockSpec, decode_state
-from swarm.transport import GRPC_OPTIONS
-from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
+from swarm.security.auth import authenticated_peer
+from swarm.wire.packets import Reassembler, WireError, split_packet, tensor_to_pb
+from swarm.wire.state_checks import BlockSpec, decode_state
+from swarm.wire.transport import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 2 << 20

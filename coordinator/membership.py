@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.config import PROTOCOL_VERSION
-from swarm.dht_keys import export_public_key, load_or_create_private_key, public_key_fingerprint
-from swarm.dht_node import OwnedDHT
-from swarm.dht_records import dht_record_validators, list_peers, publish_plan
-from swarm.dht_schema import PeerRecord, Plan, PlannedLayer, validate_swarm_name
-from swarm.record_signing import KeyPins, RecordSignatureError
+from swarm.dht.keys import export_public_key, load_or_create_private_key, public_key_fingerprint
+from swarm.dht.node import OwnedDHT
+from swarm.dht.records import dht_record_validators, list_peers, publish_plan
+from swarm.dht.schema import PeerRecord, Plan, PlannedLayer, validate_swarm_name
+from swarm.dht.signing import KeyPins, RecordSignatureError
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class RunOptions:
 
     def model_config(self) -> ModelConfig:
         if self.is_checkpoint:
-            from swarm.hf import hf_model_config
+            from swarm.train.hf import hf_model_config
 
             return ModelConfig(**{**hf_model_config(self.model, self.context or 512).__dict__, "seed": self.seed})
         cfg = MODEL_PRESETS[self.model]
@@ -84,7 +84,7 @@ class RunOptions:
                 "of a frozen base is not supported)",
                 param_hint="--finetune",
             )
-        from swarm.stage_factory import config_sha256
+        from swarm.train.stage_factory import config_sha256
 
         targets = tuple(t for t in self.lora_targets.replace(",", " ").split() if t)
         return HFConfig(

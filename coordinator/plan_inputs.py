@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from coordinator.cost_model import ModelSpec, PeerSpec
 from swarm.config import HFConfig, ModelConfig, TrainConfig
-from swarm.dht_schema import PeerRecord
+from swarm.dht.schema import PeerRecord
 
 # bytes per element on the wire, counting the fp16 scale of each 64-element block
 CODEC_BYTES = {

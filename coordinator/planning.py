@@ -17,13 +17,13 @@ from coordinator.plan_inputs import model_spec, peer_specs
 from coordinator.progress import Progress
 from coordinator.run_settings import RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
-from swarm.dht_records import seal_plan
-from swarm.dht_schema import PeerRecord, Plan
-from swarm.identity import plan_keys
-from swarm.measure import planned_layer
+from swarm.dht.plan_view import plan_view
+from swarm.dht.records import seal_plan
+from swarm.dht.schema import PeerRecord, Plan
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
 from swarm.pb import control_pb2 as cpb
-from swarm.plan_view import plan_view
+from swarm.security.identity import plan_keys
+from swarm.train.measure import planned_layer
 
 Stages = list[tuple[int, int, list[tuple[str, str]]]]  # (layer_start, layer_end, [(peer id, endpoint)])
 

@@ -21,14 +21,14 @@ from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import exit_code, status_json, verdict
 from coordinator.status_view import render, renderable
-from swarm.auth import COORDINATOR_AUDIENCE, generate_token, sync_channel
 from swarm.config_file import enable_config
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
 from swarm.logs import setup_logging
-from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.tls import dial_pinned_sync, normalise_fingerprint, speaks_tls
-from swarm.transport import GRPC_OPTIONS
+from swarm.security.auth import COORDINATOR_AUDIENCE, generate_token, sync_channel
+from swarm.security.tls import dial_pinned_sync, normalise_fingerprint, speaks_tls
+from swarm.wire.transport import GRPC_OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 

@@ -3,7 +3,7 @@
 Between two neighbouring stages one side must accept a connection. A peer behind home NAT cannot, so
 two such peers must never be neighbours: ``arrange`` reorders a chain of peers, before placement sizes
 their blocks, until every boundary has a reachable side, or explains why that is impossible. Who then
-dials whom is derived from the signed plan by ``swarm.plan_view``. Pure functions, tested alone.
+dials whom is derived from the signed plan by ``swarm.dht.plan_view``. Pure functions, tested alone.
 """
 
 from __future__ import annotations

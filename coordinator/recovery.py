@@ -21,8 +21,8 @@ from coordinator.run_flow import Phase, RunFlow
 from coordinator.run_record import RunRecord
 from coordinator.run_settings import RunFailed, RunSettings
 from coordinator.sessions import PeerSession, Sessions
+from swarm.dht.plan_view import plan_view
 from swarm.pb import control_pb2 as cpb
-from swarm.plan_view import plan_view
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from coordinator.run_flow import RunFlow
 from coordinator.run_record import RunRecord
 from coordinator.run_settings import RunFailed, RunSettings
 from coordinator.sessions import Sessions
-from swarm.dht_schema import PeerRecord, Plan
+from swarm.dht.schema import PeerRecord, Plan
 from swarm.pb import control_pb2 as cpb
 
 log = logging.getLogger(__name__)

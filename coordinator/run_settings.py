@@ -10,8 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm import tls
 from swarm.config import HFConfig, ModelConfig, TrainConfig
+from swarm.security import tls
 
 
 class RunFailed(RuntimeError):

@@ -41,7 +41,7 @@ class CoordinatorState(BaseModel):
     settings: dict[str, Any]  # the run's model/training settings, compared on restart
     port: int = Field(ge=0, le=65535)  # the control port: the plan names it, peers redial it
     dht_port: int = Field(ge=0, le=65535)  # the DHT port: peers' initial peers name it
-    plan: dict[str, Any] | None = None  # the signed plan's body (swarm.dht_schema.Plan)
+    plan: dict[str, Any] | None = None  # the signed plan's body (swarm.dht.schema.Plan)
     planned: dict[str, tuple[int, int, str]] = {}  # peer id -> (layer_start, layer_end, endpoint)
     reachable: dict[str, bool] = {}
     started: bool = False

@@ -19,8 +19,8 @@ from coordinator.membership import Membership
 from coordinator.planning import Planning
 from coordinator.progress import Progress
 from coordinator.run_flow import RunFlow
+from swarm.dht.plan_view import plan_view, stage_of
 from swarm.pb import control_pb2 as cpb
-from swarm.plan_view import plan_view, stage_of
 from swarm.resume import ResumeClaim
 
 log = logging.getLogger(__name__)

@@ -32,12 +32,12 @@ from coordinator.run_state import CoordinatorState
 from coordinator.run_status import swarm_status
 from coordinator.sessions import Sessions
 from coordinator.status_data import SwarmStatus
-from swarm import auth, limits, tls
-from swarm.multiaddrs import grpc_target_to_multiaddr
+from swarm.dht.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.state_checks import BlockSpec
-from swarm.transport import GRPC_OPTIONS
+from swarm.security import auth, limits, tls
+from swarm.wire.state_checks import BlockSpec
+from swarm.wire.transport import GRPC_OPTIONS
 
 RESUME_TIMEOUT = 120.0  # a restarted coordinator waits this long for its peers to re-attach (they redial for 60 s)
 

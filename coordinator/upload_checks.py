@@ -16,10 +16,10 @@ import functools
 import torch
 
 from swarm.config import HFConfig, ModelConfig
-from swarm.model import StageModel
 from swarm.pb import control_pb2 as cpb
-from swarm.state_checks import BlockSpec
-from swarm.wire import WireError
+from swarm.train.model import StageModel
+from swarm.wire.packets import WireError
+from swarm.wire.state_checks import BlockSpec
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,9 +38,9 @@ def hf_block_spec(hf: HFConfig, start: int, end: int) -> BlockSpec:
 
     Each layer is built on the meta device (no weights are read), and every projection ``attach_lora``
     would wrap contributes ``lora_A`` (rank, in) and ``lora_B`` (out, rank)."""
-    from swarm.hf.arch import architecture_for
-    from swarm.hf.loader import CheckpointReader, load_hf_config
-    from swarm.hf.lora import linear_features
+    from swarm.train.hf.arch import architecture_for
+    from swarm.train.hf.loader import CheckpointReader, load_hf_config
+    from swarm.train.hf.lora import linear_features
 
     arch = architecture_for(load_hf_config(hf.path), set(CheckpointReader(hf.path).files))
     if not 0 <= start < end <= arch.n_layers:

@@ -19,12 +19,12 @@ import grpc
 from peer.faults import Faults, crash_due
 from peer.plan_trust import AssignmentError
 from peer.stage import Snapshot, Stage
-from swarm.checkpoint import state_digest
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.stage_runner import StageRunner
-from swarm.state_checks import BlockSpec, decode_state
-from swarm.wire import Reassembler, WireError, split_packet, tensor_to_pb
+from swarm.train.checkpoint import state_digest
+from swarm.train.stage_runner import StageRunner
+from swarm.wire.packets import Reassembler, WireError, split_packet, tensor_to_pb
+from swarm.wire.state_checks import BlockSpec, decode_state
 
 log = logging.getLogger(__name__)
 Compute = Callable[..., Awaitable]

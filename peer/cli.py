@@ -15,11 +15,11 @@ import uvloop
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
 from peer.faults import POISON_MODES, Faults
-from swarm.auth import parse_token
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
-from swarm.tls import TlsError, TlsIdentity, identity_from_options
+from swarm.security.auth import parse_token
+from swarm.security.tls import TlsError, TlsIdentity, identity_from_options
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 DEFAULT_CONFIG = Path("~/.config/ravn/peer.toml").expanduser()

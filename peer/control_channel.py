@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from swarm import auth, tls
-from swarm.dht_schema import Plan
-from swarm.multiaddrs import multiaddr_to_grpc_target
-from swarm.transport import GRPC_OPTIONS
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.schema import Plan
+from swarm.security import auth, tls
+from swarm.wire.transport import GRPC_OPTIONS
 
 log = logging.getLogger(__name__)
 

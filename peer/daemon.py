@@ -27,18 +27,18 @@ from peer.session import SOFTWARE_VERSION, Session
 from peer.settings import PeerSettings
 from peer.stage import Stage
 from peer.stage_service import StageHost, StageService
-from swarm import auth, limits, tls
 from swarm.config import PROTOCOL_VERSION
-from swarm.dht_keys import load_public_key
-from swarm.dht_schema import PeerRecord, Plan
-from swarm.measure import device_name, free_memory_bytes, planned_throughput
+from swarm.dht.keys import load_public_key
+from swarm.dht.multiaddrs import grpc_target_to_multiaddr
+from swarm.dht.schema import PeerRecord, Plan
+from swarm.dht.signing import new_key
 from swarm.metrics import MetricsServer
-from swarm.multiaddrs import grpc_target_to_multiaddr
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.record_signing import new_key
-from swarm.transport import GRPC_OPTIONS
+from swarm.security import auth, limits, tls
+from swarm.train.measure import device_name, free_memory_bytes, planned_throughput
+from swarm.wire.transport import GRPC_OPTIONS
 
 __all__ = ["PeerDaemon", "PeerSettings"]
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class PeerDaemon:
         self.settings, self.discovery, self.faults = settings, discovery, faults or Faults()
         self.peer_id = settings.peer_id
         self.device = settings.resolved_device()
-        # the key of this process's DHT record; every call it makes is signed with it (swarm/identity.py)
+        # the key of this process's DHT record; every call it makes is signed with it (swarm/security/identity.py)
         self.signing_key = discovery.signing_key if discovery is not None else new_key()
         self.metrics_server = MetricsServer()
         self.metrics = self.metrics_server.peer(settings.peer_id)

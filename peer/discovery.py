@@ -16,11 +16,11 @@ from functools import partial
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.config import PROTOCOL_VERSION
-from swarm.dht_keys import load_public_key
-from swarm.dht_node import OwnedDHT
-from swarm.dht_records import announce_peer, dht_record_validators, fetch_plan, withdraw_peer
-from swarm.dht_schema import PeerRecord, Plan, validate_swarm_name
-from swarm.record_signing import new_key
+from swarm.dht.keys import load_public_key
+from swarm.dht.node import OwnedDHT
+from swarm.dht.records import announce_peer, dht_record_validators, fetch_plan, withdraw_peer
+from swarm.dht.schema import PeerRecord, Plan, validate_swarm_name
+from swarm.dht.signing import new_key
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Discovery:
 
         The initial peers answered seconds ago, so a failed start here is taken as passing: it is retried
         with a doubling delay, each failure logged with its reason, until ``find_timeout`` has passed.
-        Each start runs on this (the main) thread, blocking the loop for a moment: see swarm/dht_node.py.
+        Each start runs on this (the main) thread, blocking the loop for a moment: see swarm/dht/node.py.
         """
         self.shutdown()
         deadline = time.monotonic() + self.s.find_timeout

@@ -1,7 +1,7 @@
 """The data source on the first stage: admits micro-batches under the staleness bound, reports steps.
 
 One loop serves every schedule. Micro-batch ``i`` of the run belongs to step ``i // K``; it is admitted
-when ``swarm.schedule.Admission`` allows (in-flight and staleness bounds). With ``S = 0`` that is the
+when ``swarm.train.admission.Admission`` allows (in-flight and staleness bounds). With ``S = 0`` that is the
 synchronous GPipe schedule exactly; with ``S > 0`` the next steps' micro-batches stream in while the
 current step's gradients are still coming back. Validation drains the pipeline first, so it always sees
 one consistent set of weights. The loss of each micro-batch rides back on its gradient packet.
@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable
 from peer.compute import BACKWARD, FORWARD
 from peer.stage import Stage
 from swarm.config import HFConfig, ModelConfig, TrainConfig
-from swarm.data import Corpus
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
-from swarm.schedule import Admission
+from swarm.train.admission import Admission
+from swarm.train.data import Corpus
 
 log = logging.getLogger(__name__)
 MIN_REPORT_GAP = 0.25  # seconds between step reports; steps that finish meanwhile ride in the next one
@@ -65,7 +65,7 @@ class Driver:
 
     def load_data(self) -> None:
         if self.hf is not None:  # the checkpoint's own tokenizer, from its local directory
-            from swarm.hf import TokenCorpus
+            from swarm.train.hf import TokenCorpus
 
             self.corpus = TokenCorpus.load(self.train.data, self.hf.path)
             log.info("data %s tokenised with %s", self.train.data, self.hf.path)

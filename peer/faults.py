@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.codec_policy import WirePolicy
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import tensor_to_pb
+from swarm.wire.codec_policy import WirePolicy
+from swarm.wire.packets import tensor_to_pb
 
 POISON_MODES = ("scale", "nan")
 SCALE = 1e6

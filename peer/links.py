@@ -15,9 +15,9 @@ import grpc
 
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.stage_runner import StageInputError
-from swarm.transport import Link, LinkClosed, read_hello, refuse_client_stream
-from swarm.wire import WireError, split_packet
+from swarm.train.stage_runner import StageInputError
+from swarm.wire.packets import WireError, split_packet
+from swarm.wire.transport import Link, LinkClosed, read_hello, refuse_client_stream
 
 log = logging.getLogger(__name__)
 UPSTREAM, DOWNSTREAM = "upstream", "downstream"

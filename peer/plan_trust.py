@@ -3,7 +3,7 @@
 An ``Assignment`` carries the plan it belongs to, sealed exactly as the coordinator publishes it in the
 DHT. The peer checks the signature with the key it trusts (the one discovery pins for DHT plans), that
 the plan is for this peer's run and that plans never go back in version, then derives its stage, layers,
-neighbours, replicas and dial directions from the plan alone (``swarm.plan_view``). Nothing else in the
+neighbours, replicas and dial directions from the plan alone (``swarm.dht.plan_view``). Nothing else in the
 assignment says where the peer sits, so nothing else can disagree with the signature.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from hivemind.utils.crypto import RSAPublicKey
 
-from swarm.dht_records import PLAN_ENVELOPE_VERSION, PlanVerificationError, verify_plan
-from swarm.dht_schema import Plan
+from swarm.dht.plan_view import PlanView, PlanViewError, plan_view
+from swarm.dht.records import PLAN_ENVELOPE_VERSION, PlanVerificationError, verify_plan
+from swarm.dht.schema import Plan
 from swarm.pb import control_pb2 as cpb
-from swarm.plan_view import PlanView, PlanViewError, plan_view
 
 
 class AssignmentError(ValueError):

@@ -19,7 +19,7 @@ from peer.stage import Stage
 from swarm.metrics import PeerMetrics
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.sanity import Quarantine
+from swarm.wire.sanity import Quarantine
 
 log = logging.getLogger(__name__)
 

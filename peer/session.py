@@ -27,18 +27,18 @@ from peer.plan_trust import AssignmentError, PlanTrust
 from peer.reports import Reporter, stage_stats, status_line
 from peer.settings import PeerSettings
 from peer.stage import Stage, StageHooks
-from swarm import tls
 from swarm.config import PROTOCOL_VERSION
-from swarm.dht_schema import PeerRecord, Plan
-from swarm.identity import plan_keys
-from swarm.measure import free_memory_bytes
+from swarm.dht.plan_view import PlanView
+from swarm.dht.schema import PeerRecord, Plan
 from swarm.messages import assignment_configs
 from swarm.metrics import PeerMetrics
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.plan_view import PlanView
 from swarm.resume import ATTACHED_KEY, ResumeClaim
-from swarm.sanity import Quarantine
+from swarm.security import tls
+from swarm.security.identity import plan_keys
+from swarm.train.measure import free_memory_bytes
+from swarm.wire.sanity import Quarantine
 
 log = logging.getLogger(__name__)
 SOFTWARE_VERSION = "0.1.0"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm import tls
+from swarm.security import tls
 
 
 @dataclass

@@ -26,18 +26,18 @@ from peer.faults import Faults, wire_policy
 from peer.links import DOWNSTREAM, UPSTREAM, Links, dial
 from peer.plan_trust import AssignmentError
 from peer.replicas.replica_set import ReplicaSet
-from swarm.codec_policy import WirePolicy
 from swarm.config import PROTOCOL_VERSION, HFConfig, ModelConfig, TrainConfig
-from swarm.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.plan_view import PlanView
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
-from swarm.plan_view import PlanView
-from swarm.receive_bounds import link_bounds
-from swarm.sanity import DAEMON_SETTINGS, LinkSanity, Quarantine, SanityError
-from swarm.stage_factory import build_runner
-from swarm.stage_runner import StageRunner
-from swarm.transport import Link, LinkClosed, hello_packet
-from swarm.wire import WireError
+from swarm.train.stage_factory import build_runner
+from swarm.train.stage_runner import StageRunner
+from swarm.wire.codec_policy import WirePolicy
+from swarm.wire.packets import WireError
+from swarm.wire.receive_bounds import link_bounds
+from swarm.wire.sanity import DAEMON_SETTINGS, LinkSanity, Quarantine, SanityError
+from swarm.wire.transport import Link, LinkClosed, hello_packet
 
 log = logging.getLogger(__name__)
 Snapshot = tuple[int, dict, dict]  # (weight version, weights, optimizer state) taken in a step

@@ -7,7 +7,7 @@ changes none but the Stage's, through the Stage's own methods. What it may ask o
 Every refusal is a gRPC status with a reason a human can act on: a stranger that sends garbage gets
 INVALID_ARGUMENT, a peer from another run or protocol FAILED_PRECONDITION, a peer we were not told
 about PERMISSION_DENIED, and so does a token holder that names a neighbour whose key it does not hold
-(swarm/identity.py). The server keeps serving whatever one stream did.
+(swarm/security/identity.py). The server keeps serving whatever one stream did.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import grpc
 from peer.replicas.averaging import AverageRefused
 from peer.stage import Stage
 from swarm.config import PROTOCOL_VERSION
-from swarm.identity import IdentityError, check_caller
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.stage_runner import StageInputError
-from swarm.transport import Link, LinkClosed, fail_server_stream, read_hello
-from swarm.wire import WireError, split_packet
+from swarm.security.identity import IdentityError, check_caller
+from swarm.train.stage_runner import StageInputError
+from swarm.wire.packets import WireError, split_packet
+from swarm.wire.transport import Link, LinkClosed, fail_server_stream, read_hello
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.pb import control_pb2 as cpb
-from swarm.wire import codec_from_pb, codec_to_pb
+from swarm.wire.packets import codec_from_pb, codec_to_pb
 
 
 def model_to_pb(cfg: ModelConfig) -> cpb.ModelConfig:

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from peer.daemon import PeerDaemon
-from swarm.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
 from tests.sealed_plans import peer_settings
 from tests.test_fuzz import assignment  # the same fixed assignment the fuzz target serves
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from coordinator.membership import make_plan
 from peer.settings import PeerSettings
-from swarm.dht_keys import export_public_key, generate_private_key
-from swarm.dht_records import seal_plan
+from swarm.dht.keys import export_public_key, generate_private_key
+from swarm.dht.records import seal_plan
 from swarm.pb import control_pb2 as cpb
 
 SWARM = "test-swarm"

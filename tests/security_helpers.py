@@ -11,7 +11,7 @@ from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.transport import GRPC_OPTIONS
+from swarm.wire.transport import GRPC_OPTIONS
 
 
 class EchoStage(wgrpc.StageServicer):

@@ -9,14 +9,14 @@ import time
 import grpc
 import pytest
 
-from swarm import auth, identity
-from swarm.identity import CallSigner
-from swarm.nonces import NonceCache
+from swarm.dht.signing import new_key
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.record_signing import new_key
+from swarm.security import auth, identity
+from swarm.security.identity import CallSigner
+from swarm.security.nonces import NonceCache
 from tests.security_helpers import link_roundtrip, serve
 
 TOKEN = auth.generate_token()

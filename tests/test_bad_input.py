@@ -11,12 +11,12 @@ import torch
 
 from peer.daemon import PeerDaemon
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
 from swarm.messages import model_to_pb, train_to_pb
-from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.transport import hello_packet
-from swarm.wire import Reassembler, split_packet, tensor_from_pb, tensor_to_pb
+from swarm.wire.packets import Reassembler, split_packet, tensor_from_pb, tensor_to_pb
+from swarm.wire.transport import hello_packet
 from tests.sealed_plans import assignment as sealed_assignment
 from tests.sealed_plans import peer_settings
 

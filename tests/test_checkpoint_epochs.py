@@ -25,12 +25,12 @@ from peer.checkpoints import Checkpoints
 from peer.compute import ComputeWorker
 from peer.faults import Faults
 from peer.stage import Stage
-from swarm.checkpoint import state_digest
 from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.model import StageModel
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.wire import split_packet, tensor_to_pb
+from swarm.train.checkpoint import state_digest
+from swarm.train.model import StageModel
+from swarm.wire.packets import split_packet, tensor_to_pb
 from tests.conftest import ravn_cmd
 from tests.swarm_procs import Proc, assert_all_gone
 from tests.test_recovery import peer_pid

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.codec_policy import WirePolicy
-from swarm.codecs import decode, encode
 from swarm.config import TrainConfig
 from swarm.messages import train_from_pb, train_to_pb
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import tensor_from_pb, tensor_to_pb
+from swarm.wire.codec_policy import WirePolicy
+from swarm.wire.codecs import decode, encode
+from swarm.wire.packets import tensor_from_pb, tensor_to_pb
 from tests.conftest import read_metrics, run_ravn_local
 
 

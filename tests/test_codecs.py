@@ -20,8 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarm import hadamard, quantize
-from swarm.codecs import (
+from swarm.wire import hadamard, quantize
+from swarm.wire.codecs import (
     CODEC_NAMES,
     MAX_BLOCK_SIZE,
     CodecError,
@@ -29,8 +29,8 @@ from swarm.codecs import (
     decode,
     encode,
 )
-from swarm.error_feedback import ErrorFeedback
-from swarm.sanity import SanitySettings
+from swarm.wire.error_feedback import ErrorFeedback
+from swarm.wire.sanity import SanitySettings
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LEVELS = {"int8": 127, "int4": 7, "int4_rot": 7}
@@ -255,7 +255,7 @@ def test_splitmix64_reference_values():
 
 @pytest.mark.parametrize("n", [2, 16, 64, 128, 1024])
 def test_fwht_is_the_hadamard_matrix_and_rotation_is_orthonormal(n):
-    h = torch.ones(1, 1)  # Sylvester construction, written out independently of swarm.hadamard
+    h = torch.ones(1, 1)  # Sylvester construction, written out independently of swarm.wire.hadamard
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     x = torch.randn(5, n)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swarm.data import Corpus
+from swarm.train.data import Corpus
 
 
 @pytest.fixture(scope="module")

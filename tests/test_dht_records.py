@@ -27,7 +27,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 from pydantic import ValidationError
 
-from swarm.dht_keys import (
+from swarm.dht.keys import (
     export_public_key,
     generate_private_key,
     load_or_create_private_key,
@@ -37,7 +37,14 @@ from swarm.dht_keys import (
     public_key_fingerprint,
     save_private_key,
 )
-from swarm.dht_records import (
+from swarm.dht.multiaddrs import (
+    EndpointError,
+    canonical_endpoint,
+    grpc_target_to_multiaddr,
+    multiaddr_to_grpc_target,
+    parse_endpoint,
+)
+from swarm.dht.records import (
     PlanVerificationError,
     announce_peer,
     dht_record_validators,
@@ -48,7 +55,7 @@ from swarm.dht_records import (
     verify_plan,
     withdraw_peer,
 )
-from swarm.dht_schema import (
+from swarm.dht.schema import (
     PeerRecord,
     Plan,
     ProtocolMismatchError,
@@ -56,13 +63,6 @@ from swarm.dht_schema import (
     peers_key,
     plan_key,
     validate_swarm_name,
-)
-from swarm.multiaddrs import (
-    EndpointError,
-    canonical_endpoint,
-    grpc_target_to_multiaddr,
-    multiaddr_to_grpc_target,
-    parse_endpoint,
 )
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
@@ -421,7 +421,7 @@ def test_two_swarms_on_one_dht_do_not_mix(nodes: Nodes) -> None:
 
 
 def test_malformed_records_are_skipped_and_logged(nodes: Nodes, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="swarm.dht_records")
+    caplog.set_level(logging.WARNING, logger="swarm.dht.records")
     key, expiration = peers_key("malformed"), get_dht_time() + TTL
     assert announce_peer(nodes.peer, "malformed", make_record("good"), TTL)
     bad_types = {**make_record("bad-types").to_dht_value(), "free_memory_bytes": "lots"}
@@ -462,7 +462,7 @@ def test_publishing_needs_a_dht_that_signs_with_that_key(nodes: Nodes, attacker_
 def test_plan_signed_with_another_key_is_ignored(
     nodes: Nodes, coordinator_key, attacker_key, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="swarm.dht_records")
+    caplog.set_level(logging.WARNING, logger="swarm.dht.records")
     pinned = coordinator_key.get_public_key()
     assert publish_plan(nodes.attacker, "plan-other-key", make_plan("plan-other-key", 99), attacker_key, TTL)
     assert fetch_plan(nodes.peer, "plan-other-key", pinned) is None
@@ -513,7 +513,7 @@ def test_bad_envelope_is_rejected_even_with_a_valid_dht_signature(
     nodes: Nodes, coordinator_key, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Defence in depth: fetch_plan checks the envelope itself, whatever the DHT layer let through.
-    caplog.set_level(logging.WARNING, logger="swarm.dht_records")
+    caplog.set_level(logging.WARNING, logger="swarm.dht.records")
     swarm, pinned = "plan-envelope", coordinator_key.get_public_key()
     expiration = get_dht_time() + TTL
     genuine = seal_plan(Plan.model_validate({"swarm": swarm, **make_plan(swarm, 1)}), coordinator_key)

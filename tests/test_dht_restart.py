@@ -17,8 +17,8 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 import peer.discovery as discovery
 from coordinator.membership import Membership, MembershipSettings, make_plan
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
-from swarm.dht_keys import export_public_key, generate_private_key
-from swarm.dht_node import OwnedDHT
+from swarm.dht.keys import export_public_key, generate_private_key
+from swarm.dht.node import OwnedDHT
 
 BOOTSTRAP = "/ip4/10.77.0.2/tcp/31401/p2p/QmXG7aYAdCBeZn36ywy8XKkxSUYF3fNT2jJSYTvFztRtTH"
 P2PD_FAILURE = "Daemon failed to start: 2026/12/01 10:11:24 failed to connect to bootstrap peers"

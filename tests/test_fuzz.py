@@ -44,19 +44,19 @@ from hypothesis import strategies as st
 
 from peer.compute import BACKWARD
 from peer.daemon import PeerDaemon
-from swarm import auth
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
-from swarm.identity import public_key_text
-from swarm.limits import LimitSettings, TokenBucket
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.signing import new_key
 from swarm.messages import model_to_pb, train_to_pb
-from swarm.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.record_signing import new_key
-from swarm.stage_runner import StageRunner
-from swarm.transport import hello_packet
-from swarm.wire import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
+from swarm.security import auth
+from swarm.security.identity import public_key_text
+from swarm.security.limits import LimitSettings, TokenBucket
+from swarm.train.stage_runner import StageRunner
+from swarm.wire.packets import Reassembler, WireError, split_packet, tensor_from_pb, tensor_to_pb
+from swarm.wire.transport import hello_packet
 from tests.sealed_plans import assignment as sealed_assignment
 from tests.sealed_plans import peer_settings
 
@@ -671,7 +671,7 @@ def test_remote_text_is_not_logged_verbatim() -> None:
             records.append(record)
 
     handler = Keep(logging.WARNING)
-    loggers = [logging.getLogger(name) for name in ("peer.stage_service", "swarm.transport", "peer.daemon")]
+    loggers = [logging.getLogger(name) for name in ("peer.stage_service", "swarm.wire.transport", "peer.daemon")]
 
     async def scenario(daemon: PeerDaemon, target: str) -> None:
         evil = pb.Packet(refusal=pb.Refusal(mb_id=1, reason="ok\n[ERROR] coordinator: run finished\x1b[2J"))

@@ -16,9 +16,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from swarm.hf import HFStageModel, TokenCorpus, load_tokenizer  # noqa: E402
-from swarm.hf.data import IGNORE_INDEX, encode, pack_rows, read_records  # noqa: E402
-from swarm.hf.tiny import SAMPLE_TEXT, make_tiny_checkpoint  # noqa: E402
+from swarm.train.hf import HFStageModel, TokenCorpus, load_tokenizer  # noqa: E402
+from swarm.train.hf.data import IGNORE_INDEX, encode, pack_rows, read_records  # noqa: E402
+from swarm.train.hf.tiny import SAMPLE_TEXT, make_tiny_checkpoint  # noqa: E402
 
 PAIRS = [
     {"prompt": f"Question: what is {a} plus {b}? Answer:", "completion": f" {a + b}."}

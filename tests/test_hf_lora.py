@@ -16,8 +16,8 @@ peft = pytest.importorskip("peft")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from swarm.hf import HFStageModel, TokenCorpus, adapter_settings, save_peft_adapter  # noqa: E402
-from swarm.hf.tiny import make_tiny_checkpoint  # noqa: E402
+from swarm.train.hf import HFStageModel, TokenCorpus, adapter_settings, save_peft_adapter  # noqa: E402
+from swarm.train.hf.tiny import make_tiny_checkpoint  # noqa: E402
 
 SPLIT = [(0, 2), (2, 4)]
 

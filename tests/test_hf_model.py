@@ -18,9 +18,9 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import swarm.hf.loader as loader  # noqa: E402
-from swarm.hf import HFStageModel, hf_model_config  # noqa: E402
-from swarm.hf.tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
+import swarm.train.hf.loader as loader  # noqa: E402
+from swarm.train.hf import HFStageModel, hf_model_config  # noqa: E402
+from swarm.train.hf.tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
 
 SPLIT = [(0, 1), (1, 3), (3, 4)]
 

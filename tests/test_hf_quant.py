@@ -13,9 +13,9 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from swarm.hf import HFStageModel  # noqa: E402
-from swarm.hf.quant import Int8Embedding, Int8Linear, dequantize, quantize_absmax  # noqa: E402
-from swarm.hf.tiny import make_tiny_checkpoint  # noqa: E402
+from swarm.train.hf import HFStageModel  # noqa: E402
+from swarm.train.hf.quant import Int8Embedding, Int8Linear, dequantize, quantize_absmax  # noqa: E402
+from swarm.train.hf.tiny import make_tiny_checkpoint  # noqa: E402
 
 # Relative L2 error of the logits against fp32, measured on the tiny random checkpoints (hidden 64,
 # 4 layers, init std 0.1): bf16 0.9-1.4 %, int8 with fp32 compute 1.6-3.0 %, int8 with bf16 compute

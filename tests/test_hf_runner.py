@@ -14,11 +14,11 @@ import torch  # noqa: E402
 import typer  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-import swarm.stage_runner as stage_runner  # noqa: E402
+import swarm.train.stage_runner as stage_runner  # noqa: E402
 from coordinator.options import RunOptions, with_train_options  # noqa: E402
 from swarm.config import TrainConfig  # noqa: E402
-from swarm.hf import HFStageModel, TokenCorpus, hf_model_config  # noqa: E402
-from swarm.hf.tiny import SAMPLE_TEXT, make_tiny_checkpoint  # noqa: E402
+from swarm.train.hf import HFStageModel, TokenCorpus, hf_model_config  # noqa: E402
+from swarm.train.hf.tiny import SAMPLE_TEXT, make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -66,15 +66,24 @@ def test_weight_stashing_on_a_lora_block_stashes_and_grads_only_the_adapters(tmp
     path = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     (tmp_path / "notes.txt").write_text(" ".join(SAMPLE_TEXT) * 20)
     corpus = TokenCorpus.load(tmp_path / "notes.txt", path)
-    train_cfg = TrainConfig(micro_batches=2, micro_batch_size=2, lr=1e-2, warmup_steps=0, weight_decay=0.0,
-                            schedule="async", max_staleness=1, weight_stashing=True)
+    train_cfg = TrainConfig(
+        micro_batches=2,
+        micro_batch_size=2,
+        lr=1e-2,
+        warmup_steps=0,
+        weight_decay=0.0,
+        schedule="async",
+        max_staleness=1,
+        weight_stashing=True,
+    )
     block = HFStageModel(path, 0, 2, dtype=torch.float32, lora_rank=4)
     runner = stage_runner.StageRunner(hf_model_config(path, 16), train_cfg, 0, 2, model=block)
     frozen = [p for p in runner.model.parameters() if not p.requires_grad]
     assert frozen and runner.trainable
     ids = [corpus.batch(split="train", seed=0, step=0, index=i, batch_size=2, context=16)[0] for i in range(3)]
-    grad_out = [torch.randn(2, 16, runner.model_cfg.d_model, generator=torch.Generator().manual_seed(i))
-                for i in range(3)]
+    grad_out = [
+        torch.randn(2, 16, runner.model_cfg.d_model, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    ]
     version0 = copy.deepcopy(runner.model)
 
     for mb in range(3):

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from swarm.hf import TokenCorpus  # noqa: E402
-from swarm.hf.tiny import make_tiny_checkpoint  # noqa: E402
+from swarm.train.hf import TokenCorpus  # noqa: E402
+from swarm.train.hf.tiny import make_tiny_checkpoint  # noqa: E402
 from tests.conftest import read_metrics, run_ravn_local  # noqa: E402
 
 CONTEXT, MBS, EVAL_BATCHES = 32, 4, 4
@@ -101,10 +101,37 @@ def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
 def test_weight_stashing_in_a_lora_run_stashes_only_adapters(tmp_path: Path) -> None:
     ckpt, data = _checkpoint_and_data(tmp_path)
     run_ravn_local(
-        tmp_path, "stash", "--peers", "3", "--model", str(ckpt), "--finetune", "lora", "--lora-rank", "8",
-        "--dtype", "fp32", "--data", str(data), "--context", str(CONTEXT), "--micro-batch-size", str(MBS),
-        "--steps", "12", "--lr", "1e-2", "--eval-every", "0", "--eval-batches", "2",
-        "--schedule", "async", "--max-staleness", "1", "--weight-stashing",
+        tmp_path,
+        "stash",
+        "--peers",
+        "3",
+        "--model",
+        str(ckpt),
+        "--finetune",
+        "lora",
+        "--lora-rank",
+        "8",
+        "--dtype",
+        "fp32",
+        "--data",
+        str(data),
+        "--context",
+        str(CONTEXT),
+        "--micro-batch-size",
+        str(MBS),
+        "--steps",
+        "12",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "2",
+        "--schedule",
+        "async",
+        "--max-staleness",
+        "1",
+        "--weight-stashing",
     )
     run = tmp_path / "stash"
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")

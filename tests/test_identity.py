@@ -5,10 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from peer.stage_service import impostor
-from swarm import auth
-from swarm.dht_schema import Plan
-from swarm.identity import CallSigner, plan_keys
-from swarm.record_signing import new_key
+from swarm.dht.schema import Plan
+from swarm.dht.signing import new_key
+from swarm.security import auth
+from swarm.security.identity import CallSigner, plan_keys
 from tests.test_dht_records import make_plan
 
 TOKEN = auth.generate_token()

@@ -23,16 +23,16 @@ import grpc
 import torch
 from safetensors.torch import load_file
 
-from swarm import auth
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION
-from swarm.model import StageModel
-from swarm.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.signing import new_key
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.record_signing import new_key
-from swarm.transport import hello_packet
-from swarm.wire import Reassembler, split_packet, tensor_to_pb
+from swarm.security import auth
+from swarm.train.model import StageModel
+from swarm.wire.packets import Reassembler, split_packet, tensor_to_pb
+from swarm.wire.transport import hello_packet
 from tests.conftest import read_metrics
 from tests.swarm_procs import assert_all_gone, coordinator, join_args, peer
 

@@ -11,14 +11,15 @@ import grpc
 import pytest
 import torch
 
-from swarm import auth, limits, sanity
-from swarm.identity import public_key_text
+from swarm.dht.signing import new_key
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.record_signing import new_key
-from swarm.wire import WireError
+from swarm.security import auth, limits
+from swarm.security.identity import public_key_text
+from swarm.wire import sanity
+from swarm.wire.packets import WireError
 from tests.security_helpers import serve
 
 
@@ -199,7 +200,7 @@ def test_real_peer_behind_limits_refuses_a_hello_flood_and_keeps_serving() -> No
     from peer.daemon import PeerDaemon
     from peer.stage_service import StageService
     from swarm.pb import wire_pb2_grpc
-    from swarm.transport import GRPC_OPTIONS
+    from swarm.wire.transport import GRPC_OPTIONS
     from tests.sealed_plans import peer_settings
     from tests.test_bad_input import HELLO, activations, frames, good_hidden
     from tests.test_fuzz import assignment, served_gradient
@@ -249,7 +250,7 @@ async def status_without_half_close(target: str, frames: list[pb.Frame]) -> tupl
 
 
 def limits_pb_hidden(x: torch.Tensor) -> pb.Tensor:
-    from swarm.wire import tensor_to_pb
+    from swarm.wire.packets import tensor_to_pb
 
     return tensor_to_pb(x, "fp32")
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from swarm.checkpoint import load_checkpoint
-from swarm.data import Corpus
+from swarm.train.checkpoint import load_checkpoint
+from swarm.train.data import Corpus
 from tests.conftest import ravn_cmd, read_metrics, run_ravn_local
 from tests.swarm_procs import Proc, assert_all_gone
 

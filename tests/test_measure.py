@@ -1,4 +1,4 @@
-"""A peer measures its layer throughput on the model the coordinator planned (swarm/measure.py).
+"""A peer measures its layer throughput on the model the coordinator planned (swarm/train/measure.py).
 
 The defect this guards: ``PeerDaemon._measure`` measured ``MODEL_PRESETS.get(plan.model_name, gpt-small)``,
 so every Hugging Face run and every GPT run with a non-preset model was measured as gpt-small, and blocks
@@ -21,10 +21,10 @@ from coordinator.membership import make_plan
 from coordinator.run_settings import RunSettings
 from coordinator.swarm_run import SwarmRun
 from peer.daemon import PeerDaemon
-from swarm import bench, measure
 from swarm.config import HFConfig, ModelConfig, TrainConfig
-from swarm.dht_schema import Plan, PlannedLayer
-from swarm.model import TransformerLayer
+from swarm.dht.schema import Plan, PlannedLayer
+from swarm.train import bench, measure
+from swarm.train.model import TransformerLayer
 from tests.sealed_plans import peer_settings
 
 
@@ -81,9 +81,9 @@ def test_a_checkpoint_run_is_measured_on_one_layer_of_the_checkpoint(
     pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from swarm.hf.loader import CheckpointReader
-    from swarm.hf.quant import Int8Linear
-    from swarm.hf.tiny import make_tiny_checkpoint
+    from swarm.train.hf.loader import CheckpointReader
+    from swarm.train.hf.quant import Int8Linear
+    from swarm.train.hf.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama", hidden=48)
     hf = HFConfig(path=str(ckpt), dtype="bf16", int8=True, lora_rank=4)
@@ -120,8 +120,8 @@ def test_the_fastest_of_a_few_repeats_is_kept() -> None:
 def test_gpt2_checkpoints_are_measured_too(tmp_path: Path) -> None:
     """GPT-2 keeps its weights in ``Conv1D`` (stored (in, out)) and has no rotary embeddings."""
     pytest.importorskip("transformers")
-    from swarm.hf.measure import hf_layer_throughput
-    from swarm.hf.tiny import make_tiny_checkpoint
+    from swarm.train.hf.measure import hf_layer_throughput
+    from swarm.train.hf.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "gpt2", "gpt2", hidden=32)
     rate = hf_layer_throughput(ckpt, "cpu", dtype="fp32", int8=True, lora_rank=2, context=8, batch=1)
@@ -151,7 +151,7 @@ def test_a_plan_that_names_no_layer_is_measured_by_its_preset(monkeypatch: pytes
 def test_a_checkpoint_missing_here_is_measured_as_a_gpt_layer_as_wide(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The peer still announces; its assignment then fails with the reason (swarm/stage_factory.py)."""
+    """The peer still announces; its assignment then fails with the reason (swarm/train/stage_factory.py)."""
     layer = PlannedLayer(d_model=32, n_heads=2, context=8, micro_batch_size=1, hf_path=str(tmp_path / "absent"))
     calls: list = []
     spy(monkeypatch, TransformerLayer, calls)

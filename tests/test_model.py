@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from swarm.config import ModelConfig
-from swarm.model import StageModel, even_split, full_model
+from swarm.train.model import StageModel, even_split, full_model
 
 CFG = ModelConfig(n_layers=5, d_model=32, n_heads=4, context=16, seed=3)
 

@@ -7,10 +7,10 @@ honest clock and locked the whole swarm out for minutes.
 
 from __future__ import annotations
 
-from swarm import auth
-from swarm.identity import CallSigner
-from swarm.nonces import NonceBook, NonceCache
-from swarm.record_signing import new_key
+from swarm.dht.signing import new_key
+from swarm.security import auth
+from swarm.security.identity import CallSigner
+from swarm.security.nonces import NonceBook, NonceCache
 
 TOKEN = auth.generate_token()
 KEY = auth.SwarmKey.from_token(TOKEN)

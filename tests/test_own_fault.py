@@ -13,7 +13,7 @@ import dataclasses
 import grpc
 
 from peer.daemon import PeerDaemon
-from swarm.wire import Reassembler
+from swarm.wire.packets import Reassembler
 from tests.test_fuzz import STREAM_TIMEOUT, good_frames, raw_channel, stream, with_fresh_peer
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.checkpoint import load_checkpoint
 from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.data import Corpus
-from swarm.model import full_model
+from swarm.train.checkpoint import load_checkpoint
+from swarm.train.data import Corpus
+from swarm.train.model import full_model
 from tests.conftest import read_metrics, run_ravn_local
 
 STEPS, MICRO_BATCHES, MBS, LR = 3, 2, 2, 3e-3

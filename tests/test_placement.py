@@ -31,7 +31,7 @@ from coordinator.placement import (
 from coordinator.plan_inputs import model_spec, peer_specs
 from coordinator.reachability import conflicts
 from swarm.config import PROTOCOL_VERSION, ModelConfig, TrainConfig
-from swarm.dht_schema import PeerRecord
+from swarm.dht.schema import PeerRecord
 
 FAST = settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 MEDIUM = ModelConfig(n_layers=6, d_model=256, n_heads=8, context=128)  # gpt-medium

@@ -6,7 +6,7 @@ import time
 
 from coordinator.plan_inputs import model_spec, peer_specs
 from swarm.config import PROTOCOL_VERSION, HFConfig, ModelConfig, TrainConfig
-from swarm.dht_schema import PeerRecord
+from swarm.dht.schema import PeerRecord
 
 MODEL = ModelConfig(n_layers=8, d_model=256, n_heads=8, context=128)
 TRAIN = TrainConfig(micro_batches=4, micro_batch_size=4, wire_forward="int4_rot", wire_backward="int8")

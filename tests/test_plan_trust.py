@@ -11,9 +11,9 @@ from hivemind.utils import get_dht_time
 from coordinator.membership import Membership, MembershipSettings, make_plan
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
 from swarm.config import PROTOCOL_VERSION
-from swarm.dht_keys import generate_private_key, plan_subkey
-from swarm.dht_records import dht_record_validators, publish_plan, seal_plan
-from swarm.dht_schema import plan_key
+from swarm.dht.keys import generate_private_key, plan_subkey
+from swarm.dht.records import dht_record_validators, publish_plan, seal_plan
+from swarm.dht.schema import plan_key
 
 SWARM = "trust"
 COORD = "/ip4/127.0.0.1/tcp/31337"

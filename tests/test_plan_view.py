@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.membership import make_plan
-from swarm.plan_view import PlanViewError, plan_view, stage_of
+from swarm.dht.plan_view import PlanViewError, plan_view, stage_of
 
 
 def ep(port: int) -> str:

@@ -1,6 +1,6 @@
 """Issue 16 item 6: a stage bounds every received tensor by its own assignment before allocating.
 
-Unit checks of ``swarm.receive_bounds``, the in-process daemon of tests/test_fuzz.py (real gRPC on
+Unit checks of ``swarm.wire.receive_bounds``, the in-process daemon of tests/test_fuzz.py (real gRPC on
 loopback), and a separate peer process (tests/lone_peer.py, auth and limit interceptors on) whose
 peak memory must not move when a member claims a 2^27-element activation.
 """
@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from swarm import auth
 from swarm.config import TrainConfig
-from swarm.identity import public_key_text
-from swarm.limits import LimitExceeded
+from swarm.dht.signing import new_key
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.receive_bounds import link_bounds
-from swarm.record_signing import new_key
-from swarm.wire import WireError, split_packet, tensor_to_pb
+from swarm.security import auth
+from swarm.security.identity import public_key_text
+from swarm.security.limits import LimitExceeded
+from swarm.wire.packets import WireError, split_packet, tensor_to_pb
+from swarm.wire.receive_bounds import link_bounds
 from tests.swarm_procs import Proc, assert_all_gone
 from tests.test_fuzz import (
     CFG,

@@ -11,8 +11,8 @@ import pytest
 
 from coordinator.membership import Membership, MembershipSettings
 from swarm.config import PROTOCOL_VERSION
-from swarm.dht_records import announce_peer, dht_record_validators, withdraw_peer
-from swarm.record_signing import KeyPins, RecordSignatureError, new_key, sign_record, verify_record
+from swarm.dht.records import announce_peer, dht_record_validators, withdraw_peer
+from swarm.dht.signing import KeyPins, RecordSignatureError, new_key, sign_record, verify_record
 from tests.test_dht_records import LOCALHOST, make_record
 
 

@@ -15,8 +15,8 @@ from peer.replicas.shares import SenderSplit, UpstreamShares
 from swarm.config import ModelConfig, TrainConfig
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.sanity import LinkSanity
-from swarm.stage_runner import StageRunner
+from swarm.train.stage_runner import StageRunner
+from swarm.wire.sanity import LinkSanity
 
 CFG = ModelConfig(n_layers=3, d_model=32, n_heads=2, vocab_size=64, context=16)
 

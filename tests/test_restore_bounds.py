@@ -17,10 +17,10 @@ from peer.checkpoints import restore_block
 from peer.compute import ComputeWorker
 from peer.plan_trust import AssignmentError
 from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.model import StageModel
 from swarm.pb import control_pb2 as cpb
-from swarm.stage_runner import StageRunner
-from swarm.wire import split_packet, tensor_to_pb
+from swarm.train.model import StageModel
+from swarm.train.stage_runner import StageRunner
+from swarm.wire.packets import split_packet, tensor_to_pb
 
 CFG = MODEL_PRESETS["gpt-tiny"]
 

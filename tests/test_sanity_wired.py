@@ -27,8 +27,8 @@ from peer.faults import PoisonedPolicy, wire_policy
 from swarm.config import MODEL_PRESETS, TrainConfig
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
-from swarm.sanity import DAEMON_SETTINGS
-from swarm.wire import tensor_from_pb, tensor_to_pb
+from swarm.wire.packets import tensor_from_pb, tensor_to_pb
+from swarm.wire.sanity import DAEMON_SETTINGS
 from tests.test_bad_input import CFG, HELLO, B, T, activations, exchange, frames, with_peer
 
 

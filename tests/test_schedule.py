@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from coordinator.options import RunOptions, with_train_options
 from swarm.config import ModelConfig, TrainConfig
-from swarm.schedule import Admission
-from swarm.stage_runner import StageRunner
+from swarm.train.admission import Admission
+from swarm.train.stage_runner import StageRunner
 
 CFG = ModelConfig(n_layers=2, d_model=16, n_heads=2, context=8, seed=1)
 

@@ -13,13 +13,13 @@ from peer.faults import Faults
 from peer.plan_trust import AssignmentError, PlanTrust
 from peer.stage import Stage, StageHooks
 from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.dht_keys import generate_private_key
-from swarm.dht_records import seal_plan
+from swarm.dht.keys import generate_private_key
+from swarm.dht.records import seal_plan
 from swarm.messages import assignment_configs, model_to_pb, train_to_pb
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
-from swarm.sanity import Quarantine
-from swarm.wire import tensor_to_pb
+from swarm.wire.packets import tensor_to_pb
+from swarm.wire.sanity import Quarantine
 from tests.sealed_plans import COORDINATOR_KEY, SWARM, assignment, sealed
 
 CFG = MODEL_PRESETS["gpt-tiny"]

@@ -8,10 +8,10 @@ import functools
 import grpc
 import pytest
 
-from swarm import auth, tls
+from swarm.dht.signing import new_key
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
-from swarm.record_signing import new_key
+from swarm.security import auth, tls
 from tests.security_helpers import link_roundtrip, serve
 
 ID_A = tls.generate_self_signed()

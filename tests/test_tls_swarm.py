@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarm import tls
-from swarm.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
+from swarm.security import tls
 from tests.conftest import ROOT, ravn_cmd, read_metrics
 from tests.swarm_procs import assert_all_gone, coordinator, join_args, peer
 
@@ -156,7 +156,7 @@ def test_fingerprints_in_records_and_plans_are_validated_and_signed_with_the_pla
     from pydantic import ValidationError
 
     from coordinator.membership import make_plan
-    from swarm.dht_schema import PlanPeer
+    from swarm.dht.schema import PlanPeer
 
     fp = tls.generate_self_signed().fingerprint
     plan = make_plan(
@@ -179,9 +179,9 @@ def test_fingerprints_in_records_and_plans_are_validated_and_signed_with_the_pla
 
 def test_the_coordinator_fingerprint_is_sealed_with_the_plan_and_an_old_plan_reads_as_cleartext() -> None:
     from coordinator.membership import make_plan
-    from swarm.dht_keys import generate_private_key
-    from swarm.dht_records import PlanVerificationError, seal_plan, verify_plan
-    from swarm.dht_schema import Plan
+    from swarm.dht.keys import generate_private_key
+    from swarm.dht.records import PlanVerificationError, seal_plan, verify_plan
+    from swarm.dht.schema import Plan
 
     fp = tls.generate_self_signed().fingerprint
     plan = make_plan(

@@ -20,15 +20,15 @@ from coordinator.run_settings import RunSettings
 from coordinator.sessions import PeerSession
 from coordinator.swarm_run import SwarmRun
 from coordinator.upload_checks import gpt_block_spec
-from swarm import auth
 from swarm.config import MODEL_PRESETS, TrainConfig
-from swarm.identity import public_key_text
-from swarm.model import StageModel
+from swarm.dht.signing import new_key
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.pb import wire_pb2 as pb
-from swarm.record_signing import new_key
-from swarm.wire import split_packet, tensor_to_pb
+from swarm.security import auth
+from swarm.security.identity import public_key_text
+from swarm.train.model import StageModel
+from swarm.wire.packets import split_packet, tensor_to_pb
 
 CFG = MODEL_PRESETS["gpt-tiny"]
 TOKEN = auth.generate_token()

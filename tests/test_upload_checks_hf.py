@@ -17,11 +17,11 @@ import torch  # noqa: E402
 
 from coordinator.upload_checks import hf_block_spec, max_upload_bytes  # noqa: E402
 from swarm.config import MODEL_PRESETS, HFConfig  # noqa: E402
-from swarm.hf import HFStageModel  # noqa: E402
-from swarm.hf.tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
 from swarm.pb import control_pb2 as cpb  # noqa: E402
-from swarm.state_checks import decode_state  # noqa: E402
-from swarm.wire import WireError, tensor_to_pb  # noqa: E402
+from swarm.train.hf import HFStageModel  # noqa: E402
+from swarm.train.hf.tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
+from swarm.wire.packets import WireError, tensor_to_pb  # noqa: E402
+from swarm.wire.state_checks import decode_state  # noqa: E402
 
 
 def upload(tensors: dict[str, torch.Tensor], start: int, end: int) -> cpb.StateChunk:

@@ -18,7 +18,7 @@ Contributions come from other members, so they are bounded like any received ten
 exactly its parameter's shape (checked on the header, before decoding), is finite, and its L2 norm is at
 most ``NORM_FACTOR`` times the receiver's own recent change plus ``NORM_FLOOR``; replicas train the same
 block on the same schedule, so honest changes are of one size. A refused contribution is left out of the
-average and charged to its sender with the refusal accounting of :mod:`swarm.sanity` (enough of them
+average and charged to its sender with the refusal accounting of :mod:`swarm.wire.sanity` (enough of them
 quarantine it, and the coordinator excludes it); a quarantined sender is refused at once. A contributor
 checks the leader's answer the same way and applies nothing (charging the leader) when it is too large.
 """
@@ -38,8 +38,8 @@ import torch
 
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
-from swarm.sanity import LinkSanity
-from swarm.wire import WireError, tensor_from_pb, tensor_to_pb
+from swarm.wire.packets import WireError, tensor_from_pb, tensor_to_pb
+from swarm.wire.sanity import LinkSanity
 
 log = logging.getLogger(__name__)
 KEEP_RESULTS = 16  # closed rounds whose result a late replica can still fetch

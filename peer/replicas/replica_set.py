@@ -20,11 +20,11 @@ from peer.replicas.averaging import AverageGroup
 from peer.replicas.routing import ReplicaRouter
 from peer.replicas.shares import SenderSplit, UpstreamShares
 from swarm.config import TrainConfig
-from swarm.multiaddrs import multiaddr_to_grpc_target
-from swarm.plan_view import PlanView
-from swarm.sanity import LinkSanity
-from swarm.stage_runner import StageRunner
-from swarm.wire import WireError
+from swarm.dht.multiaddrs import multiaddr_to_grpc_target
+from swarm.dht.plan_view import PlanView
+from swarm.train.stage_runner import StageRunner
+from swarm.wire.packets import WireError
+from swarm.wire.sanity import LinkSanity
 
 log = logging.getLogger(__name__)
 FINAL_ROUND = 1 << 40  # averaging rounds at the end of a run are numbered from here (never periodic ones)

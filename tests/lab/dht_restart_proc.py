@@ -16,7 +16,7 @@ import time
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.timed_storage import get_dht_time
 
-from swarm.dht_node import OwnedDHT
+from swarm.dht.node import OwnedDHT
 
 HOLD_S = 2.0  # long enough for the bootstrap node to store on (and so dial) the node it has just met
 

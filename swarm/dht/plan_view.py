@@ -1,0 +1,87 @@
+"""One peer's view of the signed plan: the only place a stage, its neighbours and who dials whom are derived.
+
+The coordinator builds assignments from it and the peer acts on it, both from the same signed
+``Plan``; nothing else re-derives neighbours, so the two ends cannot disagree about a link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.dht.schema import Plan, PlanPeer
+
+
+class PlanViewError(ValueError):
+    """The plan gives this peer no block."""
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """Where ``peer_id`` sits in ``plan``; holders are peer id -> endpoint, in plan order."""
+
+    plan: Plan
+    peer_id: str
+    stage: int
+    layers: tuple[int, int]
+    me: PlanPeer
+    upstreams: dict[str, str]  # every holder of the previous block
+    downstreams: dict[str, str]  # every holder of the next block
+    replicas: dict[str, str]  # every holder of this block, this peer included
+    dial_upstream: bool  # this peer is behind NAT: it opens the links to its upstream holders
+    accept_downstream: bool  # a downstream holder is behind NAT: it dials us, we never dial it
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.plan.stages)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.replicas) > 1
+
+    def to_dial(self) -> list[tuple[str, str, str]]:
+        """(side, peer, endpoint) of every link this peer opens; the other links are opened by the far end."""
+        downs = [] if self.accept_downstream else [("downstream", p, e) for p, e in self.downstreams.items()]
+        ups = [("upstream", p, e) for p, e in self.upstreams.items()] if self.dial_upstream else []
+        return downs + ups
+
+
+def stage_of(plan: Plan, peer_id: str) -> int | None:
+    """The index of the stage ``peer_id`` holds in ``plan``, or None."""
+    return next((i for i, st in enumerate(plan.stages) if any(p.peer_id == peer_id for p in st.peers)), None)
+
+
+def plan_view(plan: Plan, peer_id: str) -> PlanView:
+    """``peer_id``'s stage, layers, neighbours, replicas and dial directions in ``plan``.
+
+    A boundary always has one side that accepts connections (the planner never makes two peers behind
+    NAT neighbours): a peer behind NAT dials its upstream holders, and a peer whose downstream block has
+    a holder behind NAT waits to be dialled on that side.
+    """
+    index = stage_of(plan, peer_id)
+    if index is None:
+        raise PlanViewError(f"the signed plan v{plan.version} gives peer {peer_id} no block")
+    stages = plan.stages
+    st = stages[index]
+    ups = stages[index - 1].peers if index > 0 else []
+    downs = stages[index + 1].peers if index + 1 < len(stages) else []
+    me = next(p for p in st.peers if p.peer_id == peer_id)
+    return PlanView(
+        plan=plan,
+        peer_id=peer_id,
+        stage=index,
+        layers=(st.layer_start, st.layer_end),
+        me=me,
+        upstreams={p.peer_id: p.endpoint for p in ups},
+        downstreams={p.peer_id: p.endpoint for p in downs},
+        replicas={p.peer_id: p.endpoint for p in st.peers},
+        dial_upstream=bool(ups) and not me.reachable,
+        accept_downstream=bool(downs) and not all(p.reachable for p in downs),
+    )

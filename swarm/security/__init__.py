@@ -1,0 +1,1 @@
+"""Swarm tokens and signed calls, TLS, identities, replay nonces, size limits."""

@@ -1,0 +1,1 @@
+"""The model and its blocks, one stage's compute and optimizer, data, schedules, checkpoints, HF blocks."""

@@ -1,0 +1,188 @@
+"""Measure HF blocks: a peer's layer throughput on the planned checkpoint, and the numbers in docs/finetune.md.
+
+:func:`hf_layer_throughput` is what a peer runs before it joins (``swarm.train.measure.planned_throughput``):
+one decoder layer of the checkpoint's own architecture, built from its ``config.json`` with random
+weights (speed does not depend on the values, and a peer must not read gigabytes to start), in the run's
+dtype, with the int8 base and LoRA adapters the run trains, forward and backward like a middle stage.
+
+The command line reproduces docs/finetune.md: memory of a block and logits error of bf16 / int8 vs fp32.
+
+    python -m swarm.train.hf.measure PATH --split 0:2,2:4        # a real local checkpoint
+    python -m swarm.train.hf.measure /tmp/rand --random llama --hidden 2048 --layers 4
+
+Each block's peak resident memory is measured in a fresh child process (growth of Linux's VmHWM while
+building the block), which is how "a peer never materialises the whole model" is checked at scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from swarm.train.bench import best_rate, synchronizer
+
+# VmHWM, not ru_maxrss: the latter survives exec, so a child would inherit its parent's high-water mark.
+# RssFile is the checkpoint's page cache reached through safetensors' memory map (shared, reclaimable);
+# RssAnon is memory the process owns (copies, casts, int8 tensors).
+_RSS_CHILD = """
+import importlib, json, sys, torch
+import transformers.masking_utils
+from swarm.train.hf import HFStageModel
+from swarm.train.hf.loader import load_hf_config
+mt = load_hf_config(sys.argv[1]).model_type
+importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+def status():
+    rows = (line.split() for line in open("/proc/self/status"))
+    return {r[0].rstrip(":"): int(r[1]) * 1024 for r in rows if r[0] in ("VmHWM:", "RssAnon:", "RssFile:")}
+before = status()
+m = HFStageModel(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), dtype=sys.argv[4], quantize_int8=sys.argv[5] == "1")
+after = status()
+growth = {f"{k}_growth_bytes": after[k] - before[k] for k in before}
+print(json.dumps({"weight_bytes": m.weight_bytes(), **growth}))
+"""
+
+
+def hf_layer_throughput(
+    path: str | Path,
+    device: str,
+    *,
+    dtype: str,
+    int8: bool,
+    lora_rank: int,
+    context: int,
+    batch: int,
+) -> float:
+    """Forward+backward passes per second of one random layer of the checkpoint at ``path`` on a
+    (batch, context) micro-batch, as a middle stage runs it: frozen base, gradients to the adapters and input.
+    """
+    from swarm.train.hf.arch import architecture_for
+    from swarm.train.hf.loader import CheckpointReader, load_hf_config
+    from swarm.train.hf.lora import attach_lora
+    from swarm.train.hf.stage import parse_dtype
+
+    dev, compute = torch.device(device), parse_dtype(dtype)
+    names = set(CheckpointReader(path).files)  # shard headers only: the tensor names say the layout
+    arch = architecture_for(load_hf_config(path), names)
+    with torch.device(dev):
+        layer = arch.new_layer(0).to(compute)
+    layer.requires_grad_(False)
+    if int8:
+        _quantize(layer, compute)
+    if lora_rank > 0:
+        attach_lora(
+            layer,
+            targets=arch.lora_targets,
+            rank=lora_rank,
+            alpha=2.0 * lora_rank,
+            name_prefix=arch.layer_tensor_prefix(0),
+        )
+    rotary = arch.new_rotary(dev)
+    received = torch.randn(batch, context, arch.hidden_size, device=dev, requires_grad=True)  # fp32 off the wire
+    position_ids = torch.arange(context, device=dev)[None, :]
+
+    def once() -> None:
+        h = received.to(compute)
+        mask = arch.masks(h, position_ids, [0])[0]
+        rope = rotary(h, position_ids) if rotary is not None else None
+        arch.run_layer(layer, h, mask, position_ids, rope).float().sum().backward()
+
+    return best_rate(once, sync=synchronizer(dev))
+
+
+def _quantize(layer: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every linear (and GPT-2 ``Conv1D``) of ``layer`` as an ``Int8Linear``, as ``HFStageModel`` stores the base."""
+    from transformers.pytorch_utils import Conv1D
+
+    from swarm.train.hf.quant import Int8Linear
+
+    for name, child in list(layer.named_modules()):
+        if isinstance(child, torch.nn.Linear | Conv1D):
+            conv = isinstance(child, Conv1D)
+            int8 = Int8Linear.from_weight(child.weight, child.bias, dtype=dtype, transposed=conv)
+            layer.set_submodule(name, int8.to(child.weight.device))
+
+
+def block_memory(path: Path, start: int, end: int, dtype: str, int8: bool) -> dict[str, int]:
+    """Weight bytes and peak RSS growth of building one block alone, in a fresh interpreter."""
+    cmd = [sys.executable, "-c", _RSS_CHILD, str(path), str(start), str(end), dtype, "1" if int8 else "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def logits_errors(path: Path, split: list[tuple[int, int]], *, context: int, batch: int) -> dict[str, float]:
+    """Relative L2 error of the chained blocks' logits, per storage/compute mode, against fp32."""
+    from swarm.train.hf.stage import HFStageModel
+
+    ids = torch.randint(0, 1000, (batch, context), generator=torch.Generator().manual_seed(0))
+
+    def run(**kwargs) -> torch.Tensor:
+        h = ids
+        with torch.no_grad():
+            for a, b in split:
+                h = HFStageModel(path, a, b, **kwargs)(h)
+        return h.float()
+
+    ref = run(dtype=torch.float32)
+    modes = {
+        "bf16": dict(dtype=torch.bfloat16),
+        "int8 (bf16 compute)": dict(dtype=torch.bfloat16, quantize_int8=True),
+        "int8 (fp32 compute)": dict(dtype=torch.float32, quantize_int8=True),
+    }
+    return {name: float((run(**kw) - ref).norm() / ref.norm()) for name, kw in modes.items()}
+
+
+def make_random_llama(out: Path, *, hidden: int, layers: int, vocab: int = 32000) -> Path:
+    """A TinyLlama-shaped random checkpoint in bf16 (no tokenizer needed for these measurements)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out), max_shard_size="200MB")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="memory per block and int8/bf16 logits error of a HF checkpoint")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--split", default="", help="blocks as a:b,b:c (default: two halves)")
+    parser.add_argument("--random", choices=["llama"], help="first write a random checkpoint of this shape to PATH")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--skip-errors", action="store_true", help="only measure memory (the error pass runs fp32)")
+    args = parser.parse_args(argv)
+    if args.random:
+        make_random_llama(args.path, hidden=args.hidden, layers=args.layers)
+    from swarm.train.hf.loader import load_hf_config
+
+    n = load_hf_config(args.path).num_hidden_layers
+    split = [tuple(int(v) for v in part.split(":")) for part in args.split.split(",")] if args.split else []
+    split = split or [(0, n // 2), (n // 2, n)]
+    report: dict[str, object] = {"blocks": {}}
+    if not args.skip_errors:
+        report["logits_rel_error_vs_fp32"] = logits_errors(args.path, split, context=args.context, batch=args.batch)
+    for a, b in split:
+        report["blocks"][f"[{a},{b})"] = {
+            mode: block_memory(args.path, a, b, "bf16", mode == "int8") for mode in ("bf16", "int8")
+        }
+    report["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(args.path).glob("*.safetensors"))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,433 @@
+"""The compute of one pipeline stage: forward, backward and optimizer, with no network in sight.
+
+A peer daemon feeds it micro-batches as they arrive and ships what it returns. Keeping this free of
+gRPC means the exact same object runs in tests, in benchmarks and behind the wire, and the daemon
+stays a thin shell. It is not thread-safe: the daemon calls it from one compute thread only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.config import ModelConfig, TrainConfig
+from swarm.train.model import StageModel
+
+MAX_ABS_ACTIVATION = 1e6  # pre-norm hidden states of a sane model stay far below this
+IGNORE_INDEX = -100  # targets that carry no loss (e.g. prompt tokens when fine-tuning on completions)
+
+
+class StageInputError(ValueError):
+    """A micro-batch that this stage cannot accept (wrong shape, unknown id, non-finite values)."""
+
+
+@dataclass
+class ForwardResult:
+    output: torch.Tensor | None = None  # hidden states to send downstream (non-last stages)
+    input_grad: torch.Tensor | None = None  # last stage: gradient to send upstream right away
+    loss_sum: float = 0.0  # last stage: summed token loss of this micro-batch
+    tokens: int = 0
+    stepped: bool = False
+
+
+@dataclass
+class BackwardResult:
+    input_grad: torch.Tensor | None = None  # to send upstream (None on the first stage or when dropped)
+    stepped: bool = False
+    dropped: bool = False
+    staleness: int = 0
+
+
+@dataclass
+class StageMetrics:
+    forward: int = 0
+    backward: int = 0
+    dropped: int = 0
+    compute_seconds: float = 0.0
+    staleness: dict[int, int] = field(default_factory=dict)
+    stash_bytes_peak: int = 0
+    in_flight_peak: int = 0
+    skipped_steps: int = 0
+
+    def staleness_counts(self) -> list[int]:
+        return [self.staleness.get(i, 0) for i in range(max(self.staleness, default=-1) + 1)]
+
+
+class StageRunner:
+    """Holds one block's parameters and optimizer state; steps every ``micro_batches`` backwards."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        start: int,
+        end: int,
+        device: str = "cpu",
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """``model``: a prebuilt block with StageModel's interface (e.g. a Hugging Face block with LoRA)."""
+        self.model_cfg, self.train_cfg = model_cfg, train_cfg
+        self.device = torch.device(device)
+        self.model = (model if model is not None else StageModel(model_cfg, start, end)).to(self.device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError(f"block [{start}, {end}) has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=train_cfg.lr, betas=(0.9, 0.95), weight_decay=train_cfg.weight_decay
+        )
+        self.version = 0
+        self.metrics = StageMetrics()
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
+        self._stash: dict[int, dict[str, torch.Tensor]] = {}
+        self.pending_checkpoint: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self._backwards = 0
+        self._quotas: deque[int] | None = None  # a replica: gradients per step, learned from step markers
+        self.anchor: dict[str, torch.Tensor] | None = None  # a replica: parameters the group last agreed on
+        self._outer_momentum: dict[str, torch.Tensor] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def expected_input(self, batch: int, time_: int) -> tuple[tuple[int, ...], torch.dtype]:
+        if self.is_first:
+            return (batch, time_), torch.int64
+        return (batch, time_, self.model_cfg.d_model), torch.float32
+
+    def _check_input(self, x: torch.Tensor, targets: torch.Tensor | None) -> None:
+        if x.dim() < 2 or x.shape[1] > self.model_cfg.context or x.shape[0] == 0:
+            raise StageInputError(f"input of shape {list(x.shape)} is not (batch, time <= {self.model_cfg.context})")
+        shape, dtype = self.expected_input(x.shape[0], x.shape[1])
+        if tuple(x.shape) != shape:
+            raise StageInputError(f"input shape {list(x.shape)} does not match the expected {list(shape)}")
+        if self.is_first:
+            if x.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+                raise StageInputError(f"first stage expects integer token ids, got {x.dtype}")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.model_cfg.vocab_size):
+                raise StageInputError(f"token ids outside [0, {self.model_cfg.vocab_size})")
+        elif not x.is_floating_point():
+            raise StageInputError(f"hidden states must be floating point, got {x.dtype}")
+        elif not bool(torch.isfinite(x).all()):
+            raise StageInputError("hidden states contain NaN or Inf")
+        elif x.numel() and float(x.abs().max()) > MAX_ABS_ACTIVATION:
+            raise StageInputError(f"hidden states beyond ±{MAX_ABS_ACTIVATION:g}: a broken or hostile sender")
+        if x.shape[0] > self.train_cfg.micro_batch_size:
+            raise StageInputError(
+                f"micro-batch of {x.shape[0]} sequences exceeds the run's micro-batch size "
+                f"{self.train_cfg.micro_batch_size}"
+            )
+        if self.is_last:
+            if targets is None:
+                raise StageInputError("the last stage needs targets with every micro-batch")
+            if tuple(targets.shape) != tuple(x.shape[:2]):
+                raise StageInputError(f"targets shape {list(targets.shape)} does not match {list(x.shape[:2])}")
+            bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= self.model_cfg.vocab_size)
+            if bool(bad.any()):
+                raise StageInputError(
+                    f"target ids outside [0, {self.model_cfg.vocab_size}) (or {IGNORE_INDEX}: ignored)"
+                )
+
+    def forward(
+        self, mb_id: int, x: torch.Tensor, targets: torch.Tensor | None = None, *, train: bool = True
+    ) -> ForwardResult:
+        """Run this block on one micro-batch; the last stage also computes the loss (and its backward)."""
+        self._check_input(x, targets)
+        if train and mb_id in self._pending:
+            raise StageInputError(f"micro-batch {mb_id} is already in flight on this stage")
+        t0 = time.perf_counter()
+        x = x.to(self.device)
+        if self.is_first:
+            x = x.long()
+        else:
+            x = x.float()
+        try:
+            if not train:
+                with torch.no_grad():
+                    out = self.model(x)
+                    if self.is_last:
+                        loss = self.model.loss_sum(out, targets.to(self.device).long())
+                        return ForwardResult(loss_sum=float(loss), tokens=_count(targets))
+                    return ForwardResult(output=out)
+            x_in = x if self.is_first else x.detach().requires_grad_(True)
+            out = self.model(x_in)
+            self.metrics.forward += 1
+            if not self.is_last:
+                self._pending[mb_id] = (x_in, out, self.version)
+                self.metrics.in_flight_peak = max(self.metrics.in_flight_peak, len(self._pending))
+                return ForwardResult(output=out.detach())
+            loss = self.model.loss_sum(out, targets.to(self.device).long())
+            if not bool(torch.isfinite(loss)):
+                raise StageInputError(
+                    f"micro-batch {mb_id} gives a non-finite loss; refused before it reaches the weights"
+                )
+            tokens = _count(targets)
+            # each micro-batch's mean token loss, averaged over the step's K micro-batches
+            (loss / max(tokens * self.train_cfg.micro_batches, 1)).backward()
+            result = ForwardResult(
+                input_grad=None if self.is_first else x_in.grad,
+                loss_sum=float(loss.detach()),
+                tokens=tokens,
+            )
+            result.stepped = self._after_backward(0)
+            return result
+        finally:
+            self.metrics.compute_seconds += time.perf_counter() - t0
+
+    def backward(self, mb_id: int, grad_output: torch.Tensor | None) -> BackwardResult:
+        """Back-propagate the gradient of this stage's output, unless it is too stale to apply.
+
+        ``grad_output`` None means a later stage dropped this micro-batch: drop it here too.
+        A gradient whose forward ran on older weights is recomputed: with the weights that forward
+        saw when weight stashing is on (PipeDream), else with the current weights.
+        """
+        if mb_id not in self._pending:
+            raise StageInputError(f"gradient for micro-batch {mb_id}, which is not in flight on this stage")
+        x_in, out, version = self._pending[mb_id]
+        if grad_output is not None:
+            expected = self.model_output_shape(x_in)
+            if tuple(grad_output.shape) != expected:
+                raise StageInputError(
+                    f"gradient shape {list(grad_output.shape)} does not match output {list(expected)}"
+                )
+            if not grad_output.is_floating_point() or not bool(torch.isfinite(grad_output).all()):
+                raise StageInputError("gradient is not a finite floating-point tensor")
+        del self._pending[mb_id]
+        staleness = self.version - version
+        if grad_output is None or staleness > self.train_cfg.staleness_bound:
+            self.metrics.dropped += 1
+            self._release_stash(version)
+            stepped = self.count_lost()  # a drop still belongs to its step: versions must not lag the data
+            return BackwardResult(dropped=True, staleness=staleness, stepped=stepped)
+        t0 = time.perf_counter()
+        grad = grad_output.to(device=self.device, dtype=torch.float32)
+        if staleness == 0 and out is not None:
+            out.backward(grad)
+            input_grad = None if self.is_first else x_in.grad
+        else:
+            input_grad = self._recompute_backward(x_in, grad, version)
+        self.metrics.backward += 1
+        stepped = self._after_backward(staleness)
+        self.metrics.compute_seconds += time.perf_counter() - t0
+        return BackwardResult(input_grad=input_grad, stepped=stepped, staleness=staleness)
+
+    def model_output_shape(self, x_in: torch.Tensor) -> tuple[int, ...]:
+        return (*x_in.shape[:2], self.model_cfg.d_model)
+
+    def _recompute_backward(self, x_in: torch.Tensor, grad: torch.Tensor, version: int) -> torch.Tensor | None:
+        x = x_in.detach() if self.is_first else x_in.detach().requires_grad_(True)
+        stashed = self._stash.get(version)
+        if stashed is None:
+            self.model(x).backward(grad)
+        else:
+            params = {k: v.requires_grad_(True) for k, v in stashed.items()}  # only trainable ones: the frozen
+            out = torch.func.functional_call(self.model, params, (x,))  # base is the same in every version
+            inputs = list(params.values()) + ([] if self.is_first else [x])
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+            current = dict(self.model.named_parameters())
+            for name, g in zip(params, grads, strict=False):  # grads follow params' order, then x
+                if g is not None:
+                    p = current[name]
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+            self._release_stash(version)
+            return None if self.is_first else grads[-1]
+        self._release_stash(version)
+        return None if self.is_first else x.grad
+
+    def _release_stash(self, version: int) -> None:
+        if version in self._stash and not any(v == version for _, _, v in self._pending.values()):
+            del self._stash[version]
+
+    def drop(self, mb_id: int) -> bool:
+        """Forget an in-flight micro-batch whose gradient will never come."""
+        entry = self._pending.pop(mb_id, None)
+        if entry is not None:
+            self._release_stash(entry[2])
+        return entry is not None
+
+    def _after_backward(self, staleness: int) -> bool:
+        self.metrics.staleness[staleness] = self.metrics.staleness.get(staleness, 0) + 1
+        return self._micro_batch_done()
+
+    def _micro_batch_done(self) -> bool:
+        """One more micro-batch of a step is through this stage (applied or not); step when the step is."""
+        self._backwards += 1
+        if self._quotas is not None:
+            return self._step_by_quota()
+        if self._backwards >= self.train_cfg.micro_batches:
+            self._backwards -= self.train_cfg.micro_batches
+            self.step()
+            return True
+        return False
+
+    # ---- replicas -------------------------------------------------------------------------------
+    def use_quotas(self) -> None:
+        """Not every micro-batch passes here (replicas here or upstream): step after this stage's share of
+        each step, learned from step markers, not after K."""
+        self._quotas = deque()
+
+    def expect(self, count: int) -> bool:
+        """The next step's share of this replica is ``count`` gradients (zero included); True if it stepped."""
+        if self._quotas is None:
+            raise RuntimeError("expect() is for replicas; call use_quotas() first")
+        self._quotas.append(count)
+        return self._step_by_quota()
+
+    def count_lost(self) -> bool:
+        """A micro-batch of this step will apply no gradient here (dropped, or its holder vanished)."""
+        return self._micro_batch_done()
+
+    def _step_by_quota(self) -> bool:
+        stepped = False
+        while self._quotas and self._backwards >= self._quotas[0]:
+            share = self._quotas.popleft()
+            self._backwards -= share
+            k = self.train_cfg.micro_batches
+            if 0 < share != k:  # the mean over this replica's share, like data parallelism's local batch:
+                for p in self.trainable:  # the gradient keeps its scale when the share changes (a replica
+                    if p.grad is not None:  # joins or dies), so Adam's moments and clipping stay calibrated
+                        p.grad.mul_(k / share)
+            self.step()
+            stepped = True
+        return stepped
+
+    def _named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def start_averaging(self) -> None:
+        """Remember the parameters every replica starts from (same seed or same checkpoint)."""
+        self.anchor = {n: p.detach().clone() for n, p in self._named_trainable()}
+        self._outer_momentum = {}
+
+    def average_delta(self) -> dict[str, torch.Tensor]:
+        """This replica's change since the last agreed parameters: what it contributes to an average."""
+        if self.anchor is None:
+            raise RuntimeError("start_averaging() first")
+        return {n: (p.detach() - self.anchor[n]).cpu() for n, p in self._named_trainable()}
+
+    def apply_average(
+        self, average: dict[str, torch.Tensor], own: dict[str, torch.Tensor], outer_lr: float, momentum: float
+    ) -> None:
+        """Move to the group's agreed parameters, keeping the local progress made since ``own`` was taken.
+
+        The outer step is DiLoCo's: the averaged change, scaled by ``outer_lr``, with optional Nesterov
+        momentum. Every replica applies the same bytes to the same anchor, so the anchors agree exactly.
+        """
+        if self.anchor is None:
+            raise RuntimeError("start_averaging() first")
+        missing = set(self.anchor) - set(average)
+        if missing:
+            raise ValueError(f"the average lacks {sorted(missing)[:3]}")
+        for mb, (x_in, _, v) in list(self._pending.items()):  # their graphs die with this in-place update
+            self._pending[mb] = (x_in, None, v)
+        with torch.no_grad():
+            for name, p in self._named_trainable():
+                change = average[name].to(device=p.device, dtype=p.dtype)
+                if tuple(change.shape) != tuple(p.shape) or not bool(torch.isfinite(change).all()):
+                    raise ValueError(f"the average of {name} has shape {list(change.shape)} or non-finite values")
+                if momentum:
+                    m = self._outer_momentum.get(name)
+                    m = change.clone() if m is None else m.mul_(momentum).add_(change)
+                    self._outer_momentum[name] = m
+                    change = change + momentum * m
+                step = change * outer_lr
+                p.add_(step - own[name].to(device=p.device, dtype=p.dtype))
+                self.anchor[name].add_(step)
+
+    def anchor_digest(self) -> str:
+        """A fingerprint of the agreed parameters: equal on every replica after each average."""
+        if self.anchor is None:
+            return ""
+        h = hashlib.sha256()
+        for name in sorted(self.anchor):
+            h.update(name.encode())
+            h.update(self.anchor[name].detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def step(self) -> None:
+        """Apply the accumulated gradients; the weight version counts these steps."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.train_cfg.lr_at(self.version)
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+            self.metrics.skipped_steps += 1  # never write NaN into the weights: drop this step's gradients
+            self.optimizer.zero_grad(set_to_none=True)
+            grads = []
+        if self.train_cfg.grad_clip > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.train_cfg.grad_clip)
+        waiting = [mb for mb, (_, _, v) in self._pending.items() if v == self.version]
+        if waiting and self.train_cfg.weight_stashing:
+            self._stash[self.version] = {k: p.detach().clone() for k, p in self._named_trainable()}
+            held = sum(t.numel() * t.element_size() for st in self._stash.values() for t in st.values())
+            self.metrics.stash_bytes_peak = max(self.metrics.stash_bytes_peak, held)
+        for mb in waiting:  # their graphs die with this in-place update; keep only the inputs
+            x_in, _, v = self._pending[mb]
+            self._pending[mb] = (x_in, None, v)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        every = self.train_cfg.checkpoint_every
+        if every and self.version % every == 0:  # taken here, so no later step can slip in before it
+            self.pending_checkpoint = (self.version, *self.checkpoint_state())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this block: everything, or only the adapters of a frozen base."""
+        if hasattr(self.model, "trainable_state_dict"):
+            return self.model.trainable_state_dict()
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copies of the trainable weights and their AdamW state, under global names."""
+        weights = {k: v.clone() for k, v in self.state_dict().items()}
+        optim: dict[str, torch.Tensor] = {}
+        if not hasattr(self.model, "trainable_state_dict"):  # adapters restart their moments (documented)
+            for name, p in self.model.named_parameters():
+                state = self.optimizer.state.get(p)
+                if state:
+                    optim[f"{name}::exp_avg"] = state["exp_avg"].detach().cpu().clone()
+                    optim[f"{name}::exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().clone()
+                    optim[f"{name}::step"] = torch.as_tensor(state["step"], dtype=torch.float32).detach().cpu().clone()
+        return weights, optim
+
+    def parameter_names(self) -> list[str]:
+        return list(self.state_dict())
+
+    def restore(self, version: int, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
+        """Continue from a checkpoint: weights, optimizer moments and the weight version."""
+        if hasattr(self.model, "load_trainable_state_dict"):
+            self.model.load_trainable_state_dict(weights)
+        else:
+            missing = set(self.model.state_dict()) - set(weights)
+            if missing:
+                raise ValueError(f"checkpoint v{version} lacks {sorted(missing)[:3]}")
+            self.model.load_state_dict({k: weights[k] for k in self.model.state_dict()})
+            for name, p in self.model.named_parameters():
+                if f"{name}::exp_avg" in optim:
+                    self.optimizer.state[p] = {
+                        "step": optim[f"{name}::step"].clone(),
+                        "exp_avg": optim[f"{name}::exp_avg"].to(p.device).clone(),
+                        "exp_avg_sq": optim[f"{name}::exp_avg_sq"].to(p.device).clone(),
+                    }
+        self.version = version
+        self._pending.clear()
+        self._stash.clear()
+        self._backwards = 0
+        if self._quotas is not None:
+            self._quotas.clear()
+        if self.anchor is not None:
+            self.start_averaging()
+
+
+def _count(targets: torch.Tensor) -> int:
+    return int((targets != IGNORE_INDEX).sum())

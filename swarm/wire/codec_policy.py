@@ -1,0 +1,67 @@
+"""Which codec each direction uses, and how a stage turns results into packets.
+
+Kept apart from the daemon so the conversion of a stage's tensors into wire packets (and back) is
+one small, testable place, shared by every schedule. Gradients sent with a lossy codec can go through
+error feedback, so what quantisation drops from one micro-batch's gradient is sent with the next
+instead of being lost. The residual is what one receiver is still owed, so there is one per
+destination peer: with replicated upstream holders, each holder's stream telescopes on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.pb import wire_pb2 as pb
+from swarm.wire.codecs import DEFAULT_BLOCK_SIZE
+from swarm.wire.error_feedback import ErrorFeedback
+from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
+
+LOSSY = {"int8", "int4", "int4_rot"}
+
+
+@dataclass
+class WirePolicy:
+    forward: str = "fp32"
+    backward: str = "fp32"
+    error_feedback: bool = False  # on gradients sent with a lossy codec (``--error-feedback-backward``)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_elements: int = DEFAULT_MAX_ELEMENTS
+    _feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # destination peer id -> its residual
+
+    def _options(self, codec: str, mb: pb.MicroBatch) -> dict:
+        if codec not in LOSSY:
+            return {}
+        return {"block_size": self.block_size, "seed": mb.id}
+
+    def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
+        if hidden.is_floating_point():
+            tensor = tensor_to_pb(hidden, self.forward, **self._options(self.forward, mb))
+        else:
+            tensor = tensor_to_pb(hidden, "raw")
+        act = pb.Activations(mb=mb, hidden=tensor)
+        if targets is not None:
+            small = targets.to(torch.int16 if int(targets.max()) < 32768 else torch.int32)
+            act.targets.CopyFrom(tensor_to_pb(small, "raw"))
+        return pb.Packet(activations=act)
+
+    def gradients(
+        self, mb: pb.MicroBatch, grad: torch.Tensor | None, loss_sum: float = 0.0, tokens: int = 0, *, to: str
+    ) -> pb.Packet:
+        """The packet carrying ``grad`` back to peer ``to``, whose residual (and only its) rides along."""
+        msg = pb.Gradients(mb=mb, loss_sum=loss_sum, tokens=tokens)
+        if grad is not None:
+            options = self._options(self.backward, mb)
+            if self.backward in LOSSY and self.error_feedback:
+                try:
+                    enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, self.backward, **options)
+                except ValueError as e:
+                    raise WireError(str(e)) from e
+                msg.grad.CopyFrom(encoded_to_pb(enc))
+            else:
+                msg.grad.CopyFrom(tensor_to_pb(grad, self.backward, **options))
+        return pb.Packet(gradients=msg)
+
+    def decode(self, t: pb.Tensor) -> torch.Tensor:
+        return tensor_from_pb(t, max_elements=self.max_elements)

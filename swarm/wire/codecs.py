@@ -1,0 +1,244 @@
+"""Tensor codecs for the wire: turn a tensor into bytes (and back) as cheaply as the link needs.
+
+The network, not compute, is the bottleneck of a home-internet swarm, so every byte on the wire goes
+through a codec chosen per direction (activations forward, gradients backward). Codecs are pure torch:
+they know nothing of protobuf or gRPC (``swarm.wire.packets`` maps an ``EncodedTensor`` onto the wire message).
+Decoding validates sizes before allocating anything, because the bytes come from strangers.
+
+Codecs:
+
+* ``fp32`` / ``fp16`` / ``bf16``: the values cast to that float type (``fp32`` is exact);
+* ``raw``: integer tensors (token ids) byte for byte;
+* ``int8``: blockwise absmax, one fp16 scale per block of ``block_size`` elements, 1 byte per value
+  (fp32 scales for a tensor too large for fp16 ones, so every finite tensor encodes);
+* ``int4``: the same with 15 levels, two values per byte;
+* ``int4_rot``: ``int4`` after a seeded randomised Hadamard rotation of every block, which tames
+  outliers; only the seed travels.
+
+See ``docs/codecs.md`` for the layout, the error bound of each codec and measured speed;
+``swarm.wire.error_feedback.ErrorFeedback`` keeps the quantisation error of gradients from accumulating.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from swarm.wire import quantize
+from swarm.wire.hadamard import BlockRotation, is_power_of_two
+
+FLOAT_CODECS = ("fp32", "fp16", "bf16")
+QUANT_CODECS = ("int8", "int4", "int4_rot")
+CODEC_NAMES = (*FLOAT_CODECS, "raw", *QUANT_CODECS)
+RAW_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32)
+DECODED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFAULT_BLOCK_SIZE = 64
+MAX_BLOCK_SIZE = 1 << 16
+MAX_SEED = (1 << 64) - 1
+FP16_MAX = float(torch.finfo(torch.float16).max)
+
+_STORAGE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_BITS = {"int8": 8, "int4": 4, "int4_rot": 4}
+
+
+class CodecError(ValueError):
+    """Input that a codec refuses: non-finite values, inconsistent payloads, absurd shapes."""
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A tensor as it travels: codec name, decoded shape and dtype, and the bytes.
+
+    ``scales``, ``block_size`` and ``seed`` are used by the integer codecs only (empty / 0 otherwise).
+    """
+
+    codec: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    payload: bytes
+    scales: bytes = b""
+    block_size: int = 0
+    seed: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload) + len(self.scales)
+
+
+def numel_of(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        if d < 0:
+            raise CodecError(f"negative dimension in shape {shape}")
+        n *= d
+    return n
+
+
+def _to_bytes(x: torch.Tensor) -> bytes:
+    return x.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+_frombuffer_warning_consumed = False
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """A view of ``data`` as ``count`` values of ``dtype``, without copying; callers only read it.
+
+    torch warns that a tensor over immutable ``bytes`` is writable in principle. It emits that warning
+    once per process; the first call here consumes it silently, since the codecs never write to the
+    view (copying 16 MB per decode just to avoid the message would cost ~5% of int8 decode time).
+    """
+    global _frombuffer_warning_consumed
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    if _frombuffer_warning_consumed:
+        return torch.frombuffer(data, dtype=dtype, count=count)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        view = torch.frombuffer(data, dtype=dtype, count=count)
+    _frombuffer_warning_consumed = True
+    return view
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """True when ``x`` holds no NaN/Inf; min and max propagate NaN, so one pass and no mask tensor."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x.detach())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _check_quant_params(codec: str, block_size: object, seed: object) -> int:
+    """Validate block size and seed of an integer codec; returns its bit width."""
+    bits = _BITS[codec]
+    if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise CodecError(f"block size {block_size!r} for codec {codec} must be an integer in [1, {MAX_BLOCK_SIZE}]")
+    if bits == 4 and block_size % 2:
+        raise CodecError(f"block size {block_size} for codec {codec} must be even (two values per byte)")
+    if codec == "int4_rot" and not is_power_of_two(block_size):
+        raise CodecError(f"block size {block_size} for codec int4_rot must be a power of two (Hadamard)")
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED:
+        raise CodecError(f"seed {seed!r} must be an unsigned 64-bit integer")
+    return bits
+
+
+def encode(
+    x: torch.Tensor,
+    codec: str,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+    allow_nonfinite: bool = False,
+) -> EncodedTensor:
+    """Encode ``x`` with ``codec``; refuses NaN/Inf unless allowed (a broken peer must not spread them).
+
+    ``block_size`` and ``seed`` matter only to the integer codecs. Those cannot represent NaN/Inf at all
+    (their scales must be finite), so they refuse non-finite input even with ``allow_nonfinite``.
+    The decoded tensor will have ``x.dtype``, which must be float32, float16 or bfloat16 for every
+    codec but ``raw``.
+    """
+    shape = tuple(x.shape)
+    if codec == "raw":
+        if x.dtype not in RAW_DTYPES:
+            raise CodecError(f"raw codec does not carry dtype {x.dtype}")
+        return EncodedTensor("raw", shape, x.dtype, _to_bytes(x))
+    if codec not in _STORAGE_DTYPE and codec not in _BITS:
+        raise CodecError(f"unknown codec {codec!r}; known: {', '.join(CODEC_NAMES)}")
+    if x.dtype not in DECODED_FLOAT_DTYPES:
+        raise CodecError(f"codec {codec} needs a float32, float16 or bfloat16 tensor, got {x.dtype}")
+    if codec in _STORAGE_DTYPE:
+        if not allow_nonfinite and not _all_finite(x):
+            raise CodecError("tensor contains NaN or Inf")
+        if codec == "fp16" and not allow_nonfinite and x.numel() and float(x.detach().abs().max()) > FP16_MAX:
+            raise CodecError(
+                f"values beyond fp16's range (absmax {float(x.detach().abs().max()):.3g} > {FP16_MAX:g}) "
+                "would arrive as Inf; use bf16, fp32 or an integer codec for this direction"
+            )
+        return EncodedTensor(codec, shape, x.dtype, _to_bytes(x.to(_STORAGE_DTYPE[codec])))
+    bits = _check_quant_params(codec, block_size, seed)
+    flat = x.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    rotation = BlockRotation(seed, block_size, flat.device) if codec == "int4_rot" else None
+    payload, scales = quantize.quantize(flat, bits, block_size, rotation)
+    if scales.numel() and not bool(torch.isfinite(scales).all()):
+        if not _all_finite(flat):
+            raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
+        # too large for fp16 scales (int4 near 4.6e5): the same layout with fp32 scales, still exact in range
+        payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32)
+    return EncodedTensor(
+        codec,
+        shape,
+        x.dtype,
+        _to_bytes(payload),
+        scales=_to_bytes(scales),
+        block_size=block_size,
+        seed=seed if codec == "int4_rot" else 0,
+    )
+
+
+def decode(
+    enc: EncodedTensor, *, max_elements: int = 1 << 28, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Decode after checking that payload and scales match shape, codec and block size exactly.
+
+    Every size check is arithmetic on the header, done before any tensor is allocated; received scales
+    are checked finite (and non-negative) before the output is allocated.
+    """
+    n = numel_of(enc.shape)
+    if n > max_elements:
+        raise CodecError(f"tensor of {n} elements exceeds the limit of {max_elements}")
+    if enc.codec in _BITS:
+        return _decode_quantised(enc, n, device)
+    if enc.codec == "raw":
+        if enc.dtype not in RAW_DTYPES:
+            raise CodecError(f"raw codec does not carry dtype {enc.dtype}")
+        storage = enc.dtype
+    elif enc.codec in _STORAGE_DTYPE:
+        if enc.dtype not in DECODED_FLOAT_DTYPES:
+            raise CodecError(f"codec {enc.codec} cannot decode to {enc.dtype}")
+        storage = _STORAGE_DTYPE[enc.codec]
+    else:
+        raise CodecError(f"unknown codec {enc.codec!r}; known: {', '.join(CODEC_NAMES)}")
+    if enc.scales:
+        raise CodecError(f"codec {enc.codec} carries no scales, got {len(enc.scales)} bytes")
+    expected = n * storage.itemsize
+    if len(enc.payload) != expected:
+        raise CodecError(
+            f"payload of {len(enc.payload)} bytes does not match shape {list(enc.shape)} "
+            f"with codec {enc.codec} ({expected} bytes expected)"
+        )
+    # Always copy out of the received bytes: the result must own writable memory.
+    out = torch.empty(enc.shape, dtype=enc.dtype, device=device if device is not None else "cpu")
+    return out.copy_(_from_bytes(enc.payload, storage, n).reshape(enc.shape))
+
+
+def _decode_quantised(enc: EncodedTensor, n: int, device: torch.device | str | None) -> torch.Tensor:
+    bits = _check_quant_params(enc.codec, enc.block_size, enc.seed)
+    if enc.dtype not in DECODED_FLOAT_DTYPES:
+        raise CodecError(f"codec {enc.codec} cannot decode to {enc.dtype}")
+    nblocks = quantize.num_blocks(n, enc.block_size)
+    expected = quantize.payload_nbytes(n, bits)
+    if len(enc.payload) != expected:
+        raise CodecError(
+            f"payload of {len(enc.payload)} bytes does not match shape {list(enc.shape)} "
+            f"with codec {enc.codec} ({expected} bytes expected)"
+        )
+    if len(enc.scales) == 2 * nblocks:
+        scales = _from_bytes(enc.scales, torch.float16, nblocks).float()
+    elif len(enc.scales) == 4 * nblocks:  # fp32 scales: a tensor too large for fp16 ones
+        scales = _from_bytes(enc.scales, torch.float32, nblocks)
+    else:
+        raise CodecError(
+            f"scales of {len(enc.scales)} bytes do not match {nblocks} blocks of {enc.block_size} "
+            f"elements ({2 * nblocks} bytes of fp16 or {4 * nblocks} of fp32 expected)"
+        )
+    if nblocks and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+        raise CodecError(f"codec {enc.codec} message has a negative, NaN or infinite scale")
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    payload = _from_bytes(enc.payload, torch.int8 if bits == 8 else torch.uint8, expected)
+    rotation = BlockRotation(enc.seed, enc.block_size, target) if enc.codec == "int4_rot" else None
+    flat = quantize.dequantize(payload, scales, n, bits, enc.block_size, enc.dtype, target, rotation)
+    return flat.reshape(enc.shape)
