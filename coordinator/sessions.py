@@ -107,7 +107,7 @@ class Sessions:
         view = plan_view(plan, peer_id)
         return (
             claim.run_id == self.planning.run_id
-            and claim.plan_version <= plan.version  # one peer per stage: same blocks, same neighbours
+            and claim.plan_version <= plan.version  # a newer plan that kept its block
             and (claim.stage, (claim.layer_start, claim.layer_end)) == (view.stage, view.layers)
             and claim.weight_version >= self.planning.restore_version
             and claim.epoch == self.store.epoch  # its block belongs to the current timeline
