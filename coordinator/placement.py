@@ -4,9 +4,9 @@ Pure functions of the peers' announced measurements (``PeerSpec``) and the run's
 (``ModelSpec``, see ``coordinator/cost_model.py``); no I/O, clocks or randomness, so the same swarm always
 gets the same placement and a future ``ravn plan`` can ask about hypothetical peers. The steps:
 
-1. **Noise.** Peers measure themselves for half a second, often all at once on a shared machine, and
-   identical peers were seen 2-3x apart. Speeds (and link bandwidths) within a factor ``SPEED_NOISE`` of
-   the median count as the median (``steady``).
+1. **Noise.** Peers measure themselves for half a second, often all at once on a shared machine. Speeds
+   within a factor ``SPEED_NOISE`` of the median, and link bandwidths within ``LINK_NOISE``, count as the
+   median (``steady``).
 2. **Chain and spares.** ``stages`` peers hold the chain (default: one per peer, at most one per layer);
    peers behind NAT always hold a chain block, then the fastest; the rest are spares.
 3. **Order, then sizes.** For each candidate order of the chain that keeps two peers behind NAT apart
@@ -36,6 +36,7 @@ from coordinator.reachability import Unarrangeable, arrange, conflicts
 
 __all__ = [
     "MIN_GAIN_OVER_EVEN",
+    "LINK_NOISE",
     "SPEED_NOISE",
     "BadReplicas",
     "Block",
@@ -49,7 +50,11 @@ __all__ = [
     "steady",
 ]
 
-SPEED_NOISE = 3.0  # measurements within this factor of the median are noise: 2-3x seen among identical peers
+# Speeds within this factor of the median are noise. CPU peers time themselves in CPU time
+# (swarm/train/bench.py): three identical peers measuring at once on 2 shared cores came out within 3%
+# (wall-clock timing had them 2.7x apart); 1.5 leaves room for real machines while a 3090 and a 3060 differ.
+SPEED_NOISE = 1.5
+LINK_NOISE = 3.0  # bandwidth probes to the coordinator spread 1.5x among identical loopback peers
 MIN_GAIN_OVER_EVEN = 0.2  # among equal peers, an uneven split must predict >20% more throughput than the even one
 _EXHAUSTIVE_BUDGET = 200_000  # DP steps (orders x peers x layers^2) up to which every peer order is tried
 
@@ -107,22 +112,23 @@ class Placement:
         return 1.0 / self.bottleneck_time
 
 
-def steady(peers: Sequence[PeerSpec], noise: float = SPEED_NOISE) -> list[PeerSpec]:
-    """Speeds and bandwidths within a factor ``noise`` of the median become the median.
+def steady(peers: Sequence[PeerSpec], noise: float = SPEED_NOISE, link_noise: float = LINK_NOISE) -> list[PeerSpec]:
+    """Speeds within a factor ``noise`` of the median, and bandwidths within ``link_noise``, become the median.
 
     A median-anchored band keeps one truly different peer (4x faster) apart while absorbing the spread of
     equals measured under contention; ``noise=1`` disables it.
     """
 
-    def band(values: list[float]) -> list[float]:
+    def band(values: list[float], factor: float) -> list[float]:
         mid = statistics.median_high(values)
-        return [mid if mid / noise <= v <= mid * noise else v for v in values]
+        return [mid if mid / factor <= v <= mid * factor else v for v in values]
 
     if not peers:
         return []
-    speed = band([p.speed for p in peers])
-    up = band([p.upload for p in peers])
-    down = band([p.download for p in peers])
+    link_noise = link_noise if noise > 1 else 1.0  # noise=1: no banding at all
+    speed = band([p.speed for p in peers], noise)
+    up = band([p.upload for p in peers], link_noise)
+    down = band([p.download for p in peers], link_noise)
     return [replace(p, speed=s, upload=u, download=d) for p, s, u, d in zip(peers, speed, up, down, strict=True)]
 
 

@@ -10,6 +10,7 @@ layer classes record which layer ran, at which shape and dtype.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -158,3 +159,12 @@ def test_a_checkpoint_missing_here_is_measured_as_a_gpt_layer_as_wide(
     assert measure.planned_throughput(a_plan("hf:absent", layer), "cpu") > 0
     assert set(calls) == {((1, 8, 32), torch.float32)}
     assert "cannot measure a layer of the checkpoint" in caplog.text
+
+
+def test_on_cpu_time_spent_waiting_for_the_cores_does_not_count() -> None:
+    """Peers started together contend for the same cores; the CPU clock counts only the work itself."""
+    clock = bench.device_clock(torch.device("cpu"))
+    t0 = clock()
+    time.sleep(0.3)  # off the CPU, as a process is while others hold the cores
+    assert clock() - t0 < 0.05
+    assert bench.device_clock(torch.device("cuda")) is time.perf_counter

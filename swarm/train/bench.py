@@ -5,6 +5,13 @@ only ever makes a pass slower, never faster, so :func:`best_rate` keeps the fast
 that is the closest to what the machine can do, while a mean over one long run carries whatever else ran
 meanwhile (identical peers started together on one machine measured 2-3x apart that way, and the planner
 gave them unequal blocks). A few short repeats also bound the time: about half a second for a small layer.
+
+Best-of alone is not enough when the other processes measure at the very same moment (``ravn local``
+starts all its peers together): every repeat is then contended. On CPU the clock is therefore the
+process's CPU time per torch thread (:func:`device_clock`): a pass costs the same CPU time however many
+other processes share the cores, so identical peers measure alike (wall-clock rates of peers started
+together on 2 cores spread 2.7x, CPU-time rates far less; see docs/planner.md). On CUDA the device is not
+shared this way and the wall clock, after a synchronize, is right.
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds the pass would take with the device to itself: wall time on CUDA; on CPU the process's CPU
+    time divided by torch's intra-op threads (their busy time is what a pass costs, contended or not)."""
+    if device.type == "cuda":
+        return time.perf_counter
+    threads = max(torch.get_num_threads(), 1)
+    return lambda: time.process_time() / threads
 
 
 def best_rate(

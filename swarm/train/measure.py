@@ -20,7 +20,7 @@ import torch
 
 from swarm.config import MODEL_PRESETS, HFConfig, ModelConfig, TrainConfig
 from swarm.dht.schema import Plan, PlannedLayer
-from swarm.train.bench import best_rate, synchronizer
+from swarm.train.bench import best_rate, device_clock, synchronizer
 from swarm.train.model import TransformerLayer
 
 log = logging.getLogger(__name__)
@@ -97,4 +97,4 @@ def layer_throughput(cfg: ModelConfig, device: str, *, batch: int = 4) -> float:
     def once() -> None:
         layer(x).sum().backward()
 
-    return best_rate(once, sync=synchronizer(dev))
+    return best_rate(once, sync=synchronizer(dev), clock=device_clock(dev))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.train.bench import best_rate, synchronizer
+from swarm.train.bench import best_rate, device_clock, synchronizer
 
 # VmHWM, not ru_maxrss: the latter survives exec, so a child would inherit its parent's high-water mark.
 # RssFile is the checkpoint's page cache reached through safetensors' memory map (shared, reclaimable);
@@ -91,7 +91,7 @@ def hf_layer_throughput(
         rope = rotary(h, position_ids) if rotary is not None else None
         arch.run_layer(layer, h, mask, position_ids, rope).float().sum().backward()
 
-    return best_rate(once, sync=synchronizer(dev))
+    return best_rate(once, sync=synchronizer(dev), clock=device_clock(dev))
 
 
 def _quantize(layer: torch.nn.Module, dtype: torch.dtype) -> None:
