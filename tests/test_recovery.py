@@ -26,6 +26,11 @@ def peer_pid(proc: Proc, name: str) -> int:
     raise AssertionError(f"no peer process named {name} under pid {proc.popen.pid}")
 
 
+def block_sizes(plan_text: str) -> list[int]:
+    """Layers per peer in a ``peer-0=layers[0,2), ...`` plan line."""
+    return [int(b) - int(a) for a, b in re.findall(r"layers\[(\d+),(\d+)\)", plan_text)]
+
+
 def test_sigkill_of_a_middle_peer_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
     proc = Proc(
         ravn_cmd(
@@ -56,11 +61,15 @@ def test_sigkill_of_a_middle_peer_resumes_from_the_last_checkpoint(tmp_path: Pat
         victim = order[1]  # a middle stage
         proc.wait_for(r"^step 20: validation loss", 240)
         os.kill(peer_pid(proc, victim), signal.SIGKILL)
-        killed, _ = proc.wait_for(rf"recovered without {victim}", 60)
+        killed, replan = proc.wait_for(rf"recovered without {victim}: plan (.*?); resuming", 60)
         resumed, _ = proc.wait_for(r"resuming from step (\d+)", 5)
         assert proc.wait(240) == 0, proc.output
     finally:
         proc.stop()
+    # identical peers on one machine: an even split, before and after the loss (issue 17)
+    first, after = block_sizes(plan.group(1)), block_sizes(replan.group(1))
+    assert max(first) - min(first) <= 1 and sum(first) == 6, plan.group(1)
+    assert after == [2, 2, 2], replan.group(1)
     metrics = read_metrics(tmp_path / "rec")
     recovery = next(m for m in metrics if m["kind"] == "recovery")
     assert recovery["gone"] == [victim]
