@@ -39,7 +39,16 @@ def watch_in_a_terminal(cmd: list[str], env: dict[str, str], seconds: float, unt
                 except OSError:
                     break
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
+        # keep draining, as a terminal does: a full pty blocks the redraw thread and with it the exit
+        exit_by = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < exit_by:
+            ready, _, _ = select.select([main], [], [], 0.2)
+            if ready:
+                try:
+                    chunks.append(os.read(main, 65536))
+                except OSError:
+                    break
+        proc.wait(timeout=max(exit_by - time.monotonic(), 0.1))
     finally:
         if proc.poll() is None:
             proc.kill()
