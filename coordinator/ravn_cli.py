@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import threading
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 import grpc
@@ -137,11 +140,10 @@ def status(
         if not watch:
             render(snapshot, console)
             raise typer.Exit(exit_code(verdict(snapshot)))
-        with Live(renderable(snapshot), console=console, refresh_per_second=4) as live:
-            while True:
-                time.sleep(interval)
-                snapshot = fetch_status(target, timeout, swarm_token, pin)
-                live.update(renderable(snapshot))
+        watch_until_ctrl_c(
+            lambda: renderable(fetch_status(target, timeout, swarm_token, pin)), snapshot, interval, console
+        )
+        raise typer.Exit(0)
     except (grpc.RpcError, ValueError) as e:  # TlsError is a ValueError
         detail = e.details() if isinstance(e, grpc.RpcError) else str(e)
         if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE and not pin and speaks_tls(target):
@@ -150,6 +152,26 @@ def status(
         raise typer.Exit(3) from None
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
+
+
+def watch_until_ctrl_c(draw: Callable[[], object], first: SwarmStatus, interval: float, console: Console) -> None:
+    """Redraw ``draw()`` every ``interval`` s until Ctrl-C; an in-flight fetch finishes first (``--timeout``).
+
+    Ctrl-C only sets a flag: a KeyboardInterrupt raised at an arbitrary point could land inside rich's
+    redraw lock or a gRPC call, and then the exit waited forever on the redraw thread (seen in CI under load).
+    """
+    stopped = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    try:
+        with Live(renderable(first), console=console, refresh_per_second=4) as live:
+            while not stopped.is_set():
+                deadline = time.monotonic() + interval
+                while not stopped.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not stopped.is_set():
+                    live.update(draw())
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def fetch_status(target: str, timeout: float, swarm_token: str = "", tls_fingerprint: str = "") -> SwarmStatus:
