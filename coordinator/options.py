@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from swarm.config import MODEL_PRESETS, SCHEDULES, HFConfig, ModelConfig, TrainConfig
+from swarm.config import BASE_QUANTS, MODEL_PRESETS, SCHEDULES, HFConfig, ModelConfig, TrainConfig
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
 ON_OFF = ("on", "off")
@@ -47,7 +47,8 @@ class RunOptions:
     lora_alpha: float
     lora_targets: str
     dtype: str
-    int8: bool
+    quant: str
+    activation_checkpointing: bool
     context: int
     name: str
     runs_dir: Path
@@ -90,7 +91,8 @@ class RunOptions:
         return HFConfig(
             path=str(Path(self.model).expanduser().resolve()),
             dtype=self.dtype,
-            int8=self.int8,
+            quant=self.quant,
+            activation_checkpointing=self.activation_checkpointing,
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
             lora_targets=targets,
@@ -256,10 +258,19 @@ def _train_params(
             callback=lambda v: _check_choice(v, ("bf16", "fp16", "fp32"), "dtype"),
         ),
     ] = "bf16",
-    int8: Annotated[
+    quant: Annotated[
+        str,
+        typer.Option(
+            help="Frozen base in memory: none (in --dtype), int8 (per-channel) or nf4 (QLoRA's 4-bit NormalFloat); "
+            "dequantised per matmul.",
+            callback=lambda v: _check_choice(v, BASE_QUANTS, "quant"),
+        ),
+    ] = "none",
+    activation_checkpointing: Annotated[
         bool,
         typer.Option(
-            "--int8", help="Quantise the frozen base to int8 in memory (weight-only, dequantised per matmul)."
+            "--activation-checkpointing",
+            help="Keep only each layer's input per micro-batch in flight; recompute the layer in the backward pass.",
         ),
     ] = False,
     context: Annotated[
@@ -326,7 +337,8 @@ def _train_params(
         lora_alpha,
         lora_targets,
         dtype,
-        int8,
+        quant,
+        activation_checkpointing,
         context,
         name,
         runs_dir,

@@ -53,7 +53,8 @@ def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = Non
     if hf is None:
         weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
     else:
-        weights = params * (1 if hf.int8 else 4 if hf.dtype == "fp32" else 2)  # frozen base; adapters are tiny
+        per_param = {"int8": 1, "nf4": 0.5}.get(hf.quant, 4 if hf.dtype == "fp32" else 2)
+        weights = params * per_param  # frozen base; adapters are tiny
     activations = tokens * d * ACTIVATION_TENSORS_PER_LAYER * 4 * train.in_flight_limit
     return ModelSpec.uniform(
         model.n_layers,

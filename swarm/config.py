@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 3  # 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan
+# 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan; 4: HFConfig.quant
+PROTOCOL_VERSION = 4
 SCHEDULES = ("sync", "async")
 
 
@@ -31,21 +32,33 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
 
+BASE_QUANTS = ("none", "int8", "nf4")
+
+
 @dataclass(frozen=True)
 class HFConfig:
-    """A local Hugging Face checkpoint fine-tuned with LoRA over a frozen (optionally int8) base."""
+    """A local Hugging Face checkpoint fine-tuned with LoRA over a frozen (optionally int8 or NF4) base.
+
+    ``quant`` is how the frozen base is stored in memory (``none``: in ``dtype``; ``int8``: per-channel
+    absmax; ``nf4``: QLoRA's blockwise 4-bit NormalFloat); matmuls always run in ``dtype``.
+    ``activation_checkpointing`` keeps only each layer's input per micro-batch in flight and recomputes
+    the rest in the backward pass.
+    """
 
     path: str
     dtype: str = "bf16"
-    int8: bool = False
+    quant: str = "none"
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_targets: tuple[str, ...] = ()
     config_sha256: str = ""
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"unknown dtype {self.dtype!r}; choose bf16, fp16 or fp32")
+        if self.quant not in BASE_QUANTS:
+            raise ValueError(f"unknown base quantisation {self.quant!r}; choose {', '.join(BASE_QUANTS)}")
         if self.lora_rank <= 0:
             raise ValueError("LoRA fine-tuning needs --lora-rank of at least 1")
 

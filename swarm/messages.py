@@ -90,7 +90,8 @@ def hf_to_pb(cfg: HFConfig) -> cpb.HFConfig:
     return cpb.HFConfig(
         path=cfg.path,
         dtype=cfg.dtype,
-        int8=cfg.int8,
+        quant=cfg.quant,
+        activation_checkpointing=cfg.activation_checkpointing,
         lora_rank=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_targets=list(cfg.lora_targets),
@@ -102,7 +103,8 @@ def hf_from_pb(h: cpb.HFConfig) -> HFConfig:
     return HFConfig(
         path=h.path,
         dtype=h.dtype,
-        int8=h.int8,
+        quant=h.quant or "none",
+        activation_checkpointing=h.activation_checkpointing,
         lora_rank=h.lora_rank,
         lora_alpha=h.lora_alpha,
         lora_targets=tuple(h.lora_targets),

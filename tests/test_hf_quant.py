@@ -86,12 +86,12 @@ def test_int8_logits_are_close_and_blocks_take_half_the_bytes_of_bf16(checkpoint
 
     ref = logits(dtype=torch.float32)
     assert rel_err(logits(dtype=torch.bfloat16), ref) < BF16_REL_TOL
-    assert rel_err(logits(dtype=torch.float32, quantize_int8=True), ref) < INT8_REL_TOL
-    assert rel_err(logits(dtype=torch.bfloat16, quantize_int8=True), ref) < INT8_REL_TOL
+    assert rel_err(logits(dtype=torch.float32, quant="int8"), ref) < INT8_REL_TOL
+    assert rel_err(logits(dtype=torch.bfloat16, quant="int8"), ref) < INT8_REL_TOL
 
     for block in [(1, 3), (0, 4)]:  # decoder layers only; and everything incl. embeddings and head
         bf16 = HFStageModel(path, *block, dtype=torch.bfloat16).weight_bytes()
-        int8_model = HFStageModel(path, *block, dtype=torch.bfloat16, quantize_int8=True, lora_rank=4)
+        int8_model = HFStageModel(path, *block, dtype=torch.bfloat16, quant="int8", lora_rank=4)
         ratio = int8_model.weight_bytes() / bf16
         assert 0.45 < ratio < 0.6, ratio  # int8 weights + fp32 per-row scales + bf16 norms
         linears = [m for m in int8_model.modules() if isinstance(m, Int8Linear)]

@@ -87,7 +87,7 @@ def test_a_checkpoint_run_is_measured_on_one_layer_of_the_checkpoint(
     from swarm.train.hf.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama", hidden=48)
-    hf = HFConfig(path=str(ckpt), dtype="bf16", int8=True, lora_rank=4)
+    hf = HFConfig(path=str(ckpt), dtype="bf16", quant="int8", lora_rank=4)
     model = ModelConfig(n_layers=4, d_model=48, n_heads=4, vocab_size=320, context=16)
     plan = published_plan(tmp_path / "run", model, TrainConfig(micro_batch_size=2), model_name="hf:llama", hf=hf)
     layers: list = []
@@ -125,7 +125,7 @@ def test_gpt2_checkpoints_are_measured_too(tmp_path: Path) -> None:
     from swarm.train.hf.tiny import make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "gpt2", "gpt2", hidden=32)
-    rate = hf_layer_throughput(ckpt, "cpu", dtype="fp32", int8=True, lora_rank=2, context=8, batch=1)
+    rate = hf_layer_throughput(ckpt, "cpu", dtype="fp32", quant="int8", lora_rank=2, context=8, batch=1)
     assert rate > 0
 
 

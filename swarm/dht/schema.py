@@ -163,7 +163,8 @@ class PlannedLayer(_Strict):
     micro_batch_size: Annotated[int, Field(ge=1, le=MAX_LAYERS)]
     hf_path: Annotated[str, Field(max_length=4096)] = ""
     hf_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    hf_int8: bool = False
+    hf_quant: Literal["none", "int8", "nf4"] = "none"
+    activation_checkpointing: bool = False
     lora_rank: Annotated[int, Field(ge=0, le=MAX_LAYERS)] = 0
 
 

@@ -74,22 +74,24 @@ class TrainConfig(_message.Message):
     def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., weight_stashing: _Optional[bool] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., average_every: _Optional[int] = ..., average_codec: _Optional[_Union[_wire_pb2.Codec, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_timeout: _Optional[float] = ..., error_feedback_backward: _Optional[bool] = ...) -> None: ...
 
 class HFConfig(_message.Message):
-    __slots__ = ("path", "dtype", "int8", "lora_rank", "lora_alpha", "lora_targets", "config_sha256")
+    __slots__ = ("path", "dtype", "lora_rank", "lora_alpha", "lora_targets", "config_sha256", "quant", "activation_checkpointing")
     PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    INT8_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
     LORA_TARGETS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
+    QUANT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
     path: str
     dtype: str
-    int8: bool
     lora_rank: int
     lora_alpha: float
     lora_targets: _containers.RepeatedScalarFieldContainer[str]
     config_sha256: str
-    def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., int8: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., lora_targets: _Optional[_Iterable[str]] = ..., config_sha256: _Optional[str] = ...) -> None: ...
+    quant: str
+    activation_checkpointing: bool
+    def __init__(self, path: _Optional[str] = ..., dtype: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., lora_targets: _Optional[_Iterable[str]] = ..., config_sha256: _Optional[str] = ..., quant: _Optional[str] = ..., activation_checkpointing: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("peer_id", "endpoint", "protocol_version", "device", "free_memory", "software_version")

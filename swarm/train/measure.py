@@ -51,7 +51,8 @@ def planned_layer(model: ModelConfig, train: TrainConfig, hf: HFConfig | None) -
         micro_batch_size=train.micro_batch_size,
         hf_path=hf.path if hf is not None else "",
         hf_dtype=hf.dtype if hf is not None else "bf16",
-        hf_int8=hf is not None and hf.int8,
+        hf_quant=hf.quant if hf is not None else "none",
+        activation_checkpointing=hf is not None and hf.activation_checkpointing,
         lora_rank=hf.lora_rank if hf is not None else 0,
     )
 
@@ -74,7 +75,7 @@ def planned_throughput(plan: Plan, device: str, hf_path: str = "") -> float:
                 path,
                 device,
                 dtype=layer.hf_dtype,
-                int8=layer.hf_int8,
+                quant=layer.hf_quant,
                 lora_rank=layer.lora_rank,
                 context=layer.context,
                 batch=layer.micro_batch_size,

@@ -40,7 +40,7 @@ def status():
     rows = (line.split() for line in open("/proc/self/status"))
     return {r[0].rstrip(":"): int(r[1]) * 1024 for r in rows if r[0] in ("VmHWM:", "RssAnon:", "RssFile:")}
 before = status()
-m = HFStageModel(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), dtype=sys.argv[4], quantize_int8=sys.argv[5] == "1")
+m = HFStageModel(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), dtype=sys.argv[4], quant=sys.argv[5])
 after = status()
 growth = {f"{k}_growth_bytes": after[k] - before[k] for k in before}
 print(json.dumps({"weight_bytes": m.weight_bytes(), **growth}))
@@ -52,7 +52,7 @@ def hf_layer_throughput(
     device: str,
     *,
     dtype: str,
-    int8: bool,
+    quant: str,
     lora_rank: int,
     context: int,
     batch: int,
@@ -71,8 +71,10 @@ def hf_layer_throughput(
     with torch.device(dev):
         layer = arch.new_layer(0).to(compute)
     layer.requires_grad_(False)
-    if int8:
+    if quant == "int8":
         _quantize(layer, compute)
+    elif quant != "none":
+        raise NotImplementedError(f"base quantisation {quant!r} is not supported yet")
     if lora_rank > 0:
         attach_lora(
             layer,
@@ -107,9 +109,9 @@ def _quantize(layer: torch.nn.Module, dtype: torch.dtype) -> None:
             layer.set_submodule(name, int8.to(child.weight.device))
 
 
-def block_memory(path: Path, start: int, end: int, dtype: str, int8: bool) -> dict[str, int]:
+def block_memory(path: Path, start: int, end: int, dtype: str, quant: str) -> dict[str, int]:
     """Weight bytes and peak RSS growth of building one block alone, in a fresh interpreter."""
-    cmd = [sys.executable, "-c", _RSS_CHILD, str(path), str(start), str(end), dtype, "1" if int8 else "0"]
+    cmd = [sys.executable, "-c", _RSS_CHILD, str(path), str(start), str(end), dtype, quant]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -130,8 +132,8 @@ def logits_errors(path: Path, split: list[tuple[int, int]], *, context: int, bat
     ref = run(dtype=torch.float32)
     modes = {
         "bf16": dict(dtype=torch.bfloat16),
-        "int8 (bf16 compute)": dict(dtype=torch.bfloat16, quantize_int8=True),
-        "int8 (fp32 compute)": dict(dtype=torch.float32, quantize_int8=True),
+        "int8 (bf16 compute)": dict(dtype=torch.bfloat16, quant="int8"),
+        "int8 (fp32 compute)": dict(dtype=torch.float32, quant="int8"),
     }
     return {name: float((run(**kw) - ref).norm() / ref.norm()) for name, kw in modes.items()}
 
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         report["logits_rel_error_vs_fp32"] = logits_errors(args.path, split, context=args.context, batch=args.batch)
     for a, b in split:
         report["blocks"][f"[{a},{b})"] = {
-            mode: block_memory(args.path, a, b, "bf16", mode == "int8") for mode in ("bf16", "int8")
+            mode: block_memory(args.path, a, b, "bf16", "int8" if mode == "int8" else "none")
+            for mode in ("bf16", "int8")
         }
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(args.path).glob("*.safetensors"))
     print(json.dumps(report, indent=2))

@@ -59,7 +59,8 @@ class HFStageModel(nn.Module):
         end: int,
         *,
         dtype: str | torch.dtype = torch.bfloat16,
-        quantize_int8: bool = False,
+        quant: str = "none",
+        activation_checkpointing: bool = False,
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_targets: Sequence[str] | None = None,
@@ -78,7 +79,10 @@ class HFStageModel(nn.Module):
         self.start, self.end, self.n_layers = start, end, n
         self.is_first, self.is_last = start == 0, end == n
         self.dtype, self.device = parse_dtype(dtype), torch.device(device)
-        self.quantize_int8 = quantize_int8
+        if quant not in ("none", "int8"):
+            raise NotImplementedError(f"base quantisation {quant!r} is not supported yet")
+        self.quant, self.activation_checkpointing = quant, activation_checkpointing
+        self.quantize_int8 = quant == "int8"
         self.d_model, self.vocab_size, self.context = self.arch.hidden_size, self.arch.vocab_size, self.arch.context
 
         self.layers = nn.ModuleDict(
@@ -89,7 +93,7 @@ class HFStageModel(nn.Module):
         )
         self.rotary = self.arch.new_rotary(self.device)
         if self.is_first:
-            self.embed = self._load_embedding(self.arch.embed_key, quantize=quantize_int8)
+            self.embed = self._load_embedding(self.arch.embed_key, quantize=self.quantize_int8)
             if self.arch.pos_embed_key:  # small, and added to every token: kept in the compute dtype
                 self.pos_embed = self._load_embedding(self.arch.pos_embed_key, quantize=False)
         if self.is_last:
