@@ -80,31 +80,16 @@ def test_mistral_sliding_window_is_applied(checkpoints):
     assert (chained_logits(checkpoints["mistral"], ids) - full_causal).abs().max() > 1e-4
 
 
-class _SpyOpen:
-    """Wraps ``safe_open`` to record every tensor actually copied out of a shard."""
+class _SpyRead:
+    """Wraps ``loader.read_tensor`` to record every tensor actually read out of a shard."""
 
     def __init__(self) -> None:
         self.reads: list[tuple[str, str]] = []
+        self.read = loader.read_tensor
 
-    def __call__(self, path, *args, **kwargs):
-        handle, reads = safe_open(path, *args, **kwargs), self.reads
-
-        class Handle:
-            def __enter__(self):
-                self.f = handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def keys(self):
-                return self.f.keys()
-
-            def get_tensor(self, name):
-                reads.append((Path(path).name, name))
-                return self.f.get_tensor(name)
-
-        return Handle()
+    def __call__(self, shard, name):
+        self.reads.append((Path(shard).name, name))
+        return self.read(shard, name)
 
 
 @pytest.mark.parametrize(
@@ -120,8 +105,8 @@ class _SpyOpen:
 )
 def test_a_peer_reads_only_its_block(checkpoints, monkeypatch, arch, block, expected_extra):
     path = checkpoints[arch]
-    spy = _SpyOpen()
-    monkeypatch.setattr(loader, "safe_open", spy)
+    spy = _SpyRead()
+    monkeypatch.setattr(loader, "read_tensor", spy)
     model = HFStageModel(path, *block, dtype=torch.float32)
     layer_prefix = model.arch.layer_prefix
     all_names = set(loader.CheckpointReader(path).names())

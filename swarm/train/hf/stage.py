@@ -125,8 +125,7 @@ class HFStageModel(nn.Module):
         with torch.device("meta"):
             module = factory()
         keys = list(module.state_dict().keys())
-        tensors = self.reader.read(prefix + k for k in keys)
-        raw = {k: tensors[prefix + k] for k in keys}
+        raw = self.reader.lazy({k: prefix + k for k in keys})  # read one tensor at a time, as converted
         quantized: list[str] = []
         if self.quantize_int8:
             quantized = self._quantize_from_raw(module, raw)
