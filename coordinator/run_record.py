@@ -210,6 +210,7 @@ class RunRecord:
             "average_bytes": st.average_bytes,
             "anchor_digest": st.anchor_digest,
             "forward_micro_batches": st.forward_micro_batches - base.forward_micro_batches,
+            "memory": memory_summary(st.memory),
         }
 
     def write_summary(self, sessions: list[PeerSession]) -> None:
@@ -247,3 +248,12 @@ class RunRecord:
         if self.val_losses:
             self.progress.message(f"final validation loss: {self.val_losses[-1][1]:.4f}")
         self.progress.message(f"run artefacts: {self.artifacts.dir}")
+
+
+def memory_summary(m: cpb.StageMemory) -> dict:
+    """A stage's memory as its peer measured it (swarm/train/memory.py), with the load's excess over the block."""
+    out = {f.name: getattr(m, f.name) for f in cpb.StageMemory.DESCRIPTOR.fields}
+    # the "one tensor in flight" check: what the build held beyond the block it built
+    out["load_peak_over_block"] = m.load_peak - m.block_bytes
+    out["cuda_load_peak_over_block"] = m.cuda_load_peak - m.block_bytes if m.cuda_before or m.cuda_load_peak else 0
+    return out

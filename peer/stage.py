@@ -31,6 +31,7 @@ from swarm.dht.multiaddrs import multiaddr_to_grpc_target
 from swarm.dht.plan_view import PlanView
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
+from swarm.train.memory import MemoryProbe
 from swarm.train.stage_factory import build_runner
 from swarm.train.stage_runner import StageRunner
 from swarm.wire.codec_policy import WirePolicy
@@ -78,10 +79,12 @@ class Stage:
         configs: tuple[ModelConfig, TrainConfig, HFConfig | None],
         runner: StageRunner,
         number: int,
+        memory: MemoryProbe | None = None,
     ) -> None:
         self.hooks, self.assignment, self.view, self.number = hooks, a, view, number
         self.model_cfg, self.train_cfg, self.hf = configs
         self.runner = runner
+        self.memory = memory or MemoryProbe(hooks.device)  # what building and training the block cost
         self.bounds = link_bounds(self.model_cfg, self.train_cfg)  # what neighbours may send this block
         self.policy: WirePolicy = wire_policy(
             self.train_cfg.wire_forward,
@@ -116,11 +119,19 @@ class Stage:
         """Build this assignment's block on the compute thread (AssignmentError when it cannot be built)."""
         model_cfg, train_cfg, hf = configs
         (start, end) = view.layers
+        probe = MemoryProbe(hooks.device)
+
+        def build() -> StageRunner:  # on the compute thread, so the peaks are this build's
+            probe.before_build()
+            runner = build_runner(model_cfg, train_cfg, start, end, hooks.device, hf)
+            probe.after_build(runner.model)
+            return runner
+
         try:
-            runner = await hooks.compute.run(build_runner, model_cfg, train_cfg, start, end, hooks.device, hf)
+            runner = await hooks.compute.run(build)
         except (ValueError, OSError) as e:
             raise AssignmentError(f"cannot build layers [{start}, {end}): {e}") from e
-        return cls(hooks, a, view, configs, runner, number)
+        return cls(hooks, a, view, configs, runner, number, probe)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def spawn(self, coro, name: str) -> asyncio.Task:

@@ -184,7 +184,7 @@ class Command(_message.Message):
     def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stop_training: _Optional[_Union[StopTraining, _Mapping]] = ..., update: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "stash_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches", "rejected", "rejected_by_sender")
+    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "stash_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches", "rejected", "rejected_by_sender", "memory")
     class RejectedBySenderEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,7 @@ class StageStats(_message.Message):
     LOST_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_BY_SENDER_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     forward_micro_batches: int
     backward_micro_batches: int
     bytes_sent: int
@@ -230,7 +231,36 @@ class StageStats(_message.Message):
     lost_micro_batches: int
     rejected: int
     rejected_by_sender: _containers.ScalarMap[str, int]
-    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., stash_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    memory: StageMemory
+    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., stash_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ...) -> None: ...
+
+class StageMemory(_message.Message):
+    __slots__ = ("rss_before", "anon_before", "load_peak", "resident_after_build", "anon_after_build", "train_peak", "cuda_before", "cuda_load_peak", "cuda_train_peak", "block_bytes", "largest_tensor_bytes", "hwm_reset")
+    RSS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    ANON_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_PEAK_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_AFTER_BUILD_FIELD_NUMBER: _ClassVar[int]
+    ANON_AFTER_BUILD_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_PEAK_FIELD_NUMBER: _ClassVar[int]
+    CUDA_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_LOAD_PEAK_FIELD_NUMBER: _ClassVar[int]
+    CUDA_TRAIN_PEAK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HWM_RESET_FIELD_NUMBER: _ClassVar[int]
+    rss_before: int
+    anon_before: int
+    load_peak: int
+    resident_after_build: int
+    anon_after_build: int
+    train_peak: int
+    cuda_before: int
+    cuda_load_peak: int
+    cuda_train_peak: int
+    block_bytes: int
+    largest_tensor_bytes: int
+    hwm_reset: bool
+    def __init__(self, rss_before: _Optional[int] = ..., anon_before: _Optional[int] = ..., load_peak: _Optional[int] = ..., resident_after_build: _Optional[int] = ..., anon_after_build: _Optional[int] = ..., train_peak: _Optional[int] = ..., cuda_before: _Optional[int] = ..., cuda_load_peak: _Optional[int] = ..., cuda_train_peak: _Optional[int] = ..., block_bytes: _Optional[int] = ..., largest_tensor_bytes: _Optional[int] = ..., hwm_reset: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "loss", "tokens", "seconds")
