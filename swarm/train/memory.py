@@ -117,6 +117,7 @@ class MemoryProbe:
         """
         m = self.memory
         set_mmap_threshold(128 << 10)
+        trim_heap()  # heap freed earlier (e.g. a previous block) is not this block's baseline
         m.hwm_reset = reset_peak()
         status = proc_status()
         m.rss_before, m.anon_before = status.get("VmRSS", 0), status.get("RssAnon", 0)
