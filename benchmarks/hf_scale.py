@@ -88,7 +88,7 @@ def make_checkpoint(out: Path, params: int, *, vocab: int = 16000, seed: int = 0
         eos_token_id=special,
         pad_token_id=special,
     )
-    config.torch_dtype = "bfloat16"
+    config.dtype = "bfloat16"
     config.save_pretrained(str(out))
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
