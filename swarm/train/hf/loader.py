@@ -3,7 +3,8 @@
 A peer that serves layers ``[a, b)`` of a 7B model must not need 14 GB of RAM to start, so nothing here
 builds the whole model: the header of every ``*.safetensors`` shard (or ``model.safetensors.index.json``)
 maps tensor names to files, and each tensor asked for is read, by its header offsets, into a buffer of its
-own (:func:`read_tensor`), one at a time (:class:`LazyTensors`). Everything is read from a local directory; nothing is ever downloaded.
+own (:func:`read_tensor`), one at a time (:class:`LazyTensors`). Everything is read from a local
+directory; nothing is ever downloaded.
 """
 
 from __future__ import annotations
