@@ -3,9 +3,10 @@
 :func:`hf_layer_throughput` is what a peer runs before it joins (``swarm.train.measure.planned_throughput``):
 one decoder layer of the checkpoint's own architecture, built from its ``config.json`` with random
 weights (speed does not depend on the values, and a peer must not read gigabytes to start), in the run's
-dtype, with the int8 base and LoRA adapters the run trains, forward and backward like a middle stage.
+dtype, with the int8 / NF4 base, activation checkpointing and LoRA adapters the run trains, forward and
+backward like a middle stage.
 
-The command line reproduces docs/finetune.md: memory of a block and logits error of bf16 / int8 vs fp32.
+The command line reproduces docs/finetune.md: memory of a block and logits error of bf16 / int8 / NF4 vs fp32.
 
     python -m swarm.train.hf.measure PATH --split 0:2,2:4        # a real local checkpoint
     python -m swarm.train.hf.measure /tmp/rand --random llama --hidden 2048 --layers 4
@@ -56,13 +57,18 @@ def hf_layer_throughput(
     lora_rank: int,
     context: int,
     batch: int,
+    activation_checkpointing: bool = False,
 ) -> float:
     """Forward+backward passes per second of one random layer of the checkpoint at ``path`` on a
-    (batch, context) micro-batch, as a middle stage runs it: frozen base, gradients to the adapters and input.
+    (batch, context) micro-batch, as a middle stage runs it: frozen base, gradients to the adapters and input
+    (with ``activation_checkpointing``, the layer's forward runs twice, as in ``HFStageModel``).
     """
+    from torch.utils.checkpoint import checkpoint
+
     from swarm.train.hf.arch import architecture_for
     from swarm.train.hf.loader import CheckpointReader, load_hf_config
     from swarm.train.hf.lora import attach_lora
+    from swarm.train.hf.quant import quantize_linears
     from swarm.train.hf.stage import parse_dtype
 
     dev, compute = torch.device(device), parse_dtype(dtype)
@@ -71,10 +77,8 @@ def hf_layer_throughput(
     with torch.device(dev):
         layer = arch.new_layer(0).to(compute)
     layer.requires_grad_(False)
-    if quant == "int8":
-        _quantize(layer, compute)
-    elif quant != "none":
-        raise NotImplementedError(f"base quantisation {quant!r} is not supported yet")
+    if quant != "none":
+        quantize_linears(layer, quant=quant, dtype=compute, device=dev)
     if lora_rank > 0:
         attach_lora(
             layer,
@@ -91,22 +95,14 @@ def hf_layer_throughput(
         h = received.to(compute)
         mask = arch.masks(h, position_ids, [0])[0]
         rope = rotary(h, position_ids) if rotary is not None else None
-        arch.run_layer(layer, h, mask, position_ids, rope).float().sum().backward()
+        args = (layer, h, mask, position_ids, rope)
+        if activation_checkpointing:
+            out = checkpoint(arch.run_layer, *args, use_reentrant=False)
+        else:
+            out = arch.run_layer(*args)
+        out.float().sum().backward()
 
     return best_rate(once, sync=synchronizer(dev), clock=device_clock(dev))
-
-
-def _quantize(layer: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Every linear (and GPT-2 ``Conv1D``) of ``layer`` as an ``Int8Linear``, as ``HFStageModel`` stores the base."""
-    from transformers.pytorch_utils import Conv1D
-
-    from swarm.train.hf.quant import Int8Linear
-
-    for name, child in list(layer.named_modules()):
-        if isinstance(child, torch.nn.Linear | Conv1D):
-            conv = isinstance(child, Conv1D)
-            int8 = Int8Linear.from_weight(child.weight, child.bias, dtype=dtype, transposed=conv)
-            layer.set_submodule(name, int8.to(child.weight.device))
 
 
 def block_memory(path: Path, start: int, end: int, dtype: str, quant: str) -> dict[str, int]:

@@ -4,8 +4,9 @@ The decoder layers are the ``transformers`` classes the checkpoint was trained w
 ``AutoModelForCausalLM``), but they are built on the meta device and filled only with this block's
 tensors from the safetensors shards: a peer never materialises the whole model. The first block owns
 the token (and, for GPT-2, position) embeddings; the last owns the final norm and the head, reading the
-embedding matrix for it when the checkpoint ties them. The base is frozen (bf16/fp16/fp32, or int8
-weight-only); the only trainable parameters are LoRA adapters.
+embedding matrix for it when the checkpoint ties them. The base is frozen (bf16/fp16/fp32, or int8 / NF4
+weight-only); the only trainable parameters are LoRA adapters. With activation checkpointing each
+decoder layer keeps only its input for the backward and recomputes the rest there.
 
 Hidden states leave a non-last block as fp32 whatever the compute dtype, because that is what the
 wire codecs and ``StageRunner`` exchange today; the cast is exact for bf16/fp16 and its backward is free.
@@ -19,12 +20,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swarm.config import ModelConfig
 from swarm.train.hf.arch import Architecture, architecture_class, architecture_for
 from swarm.train.hf.loader import CheckpointReader, load_hf_config
 from swarm.train.hf.lora import attach_lora, read_peft_adapter, save_peft_adapter
-from swarm.train.hf.quant import Int8Embedding, Int8Linear, tensor_bytes
+from swarm.train.hf.quant import (
+    QUANTIZED_EMBEDDINGS,
+    quantize_linears,
+    quantized_embedding,
+    quantized_linear,
+    tensor_bytes,
+)
 
 IGNORE_INDEX = -100
 DTYPES = {
@@ -79,10 +87,9 @@ class HFStageModel(nn.Module):
         self.start, self.end, self.n_layers = start, end, n
         self.is_first, self.is_last = start == 0, end == n
         self.dtype, self.device = parse_dtype(dtype), torch.device(device)
-        if quant not in ("none", "int8"):
-            raise NotImplementedError(f"base quantisation {quant!r} is not supported yet")
+        if quant not in ("none", "int8", "nf4"):
+            raise ValueError(f"unknown base quantisation {quant!r}; choose none, int8 or nf4")
         self.quant, self.activation_checkpointing = quant, activation_checkpointing
-        self.quantize_int8 = quant == "int8"
         self.d_model, self.vocab_size, self.context = self.arch.hidden_size, self.arch.vocab_size, self.arch.context
 
         self.layers = nn.ModuleDict(
@@ -93,7 +100,7 @@ class HFStageModel(nn.Module):
         )
         self.rotary = self.arch.new_rotary(self.device)
         if self.is_first:
-            self.embed = self._load_embedding(self.arch.embed_key, quantize=self.quantize_int8)
+            self.embed = self._load_embedding(self.arch.embed_key, quantize=quant != "none")
             if self.arch.pos_embed_key:  # small, and added to every token: kept in the compute dtype
                 self.pos_embed = self._load_embedding(self.arch.pos_embed_key, quantize=False)
         if self.is_last:
@@ -128,8 +135,8 @@ class HFStageModel(nn.Module):
         tensors = self.reader.read(prefix + k for k in keys)
         raw = {k: tensors[prefix + k] for k in keys}
         quantized: list[str] = []
-        if self.quantize_int8:
-            quantized = self._quantize_from_raw(module, raw)
+        if self.quant != "none":  # quantised from the stored (not down-cast) weights
+            quantized = quantize_linears(module, quant=self.quant, dtype=self.dtype, device=self.device, raw=raw)
         missing, unexpected = module.load_state_dict(
             {k: self._cast(v) for k, v in raw.items()}, strict=False, assign=True
         )
@@ -138,32 +145,19 @@ class HFStageModel(nn.Module):
             raise RuntimeError(f"loading {prefix}: missing {missing}, unexpected {unexpected}")
         return module
 
-    def _quantize_from_raw(self, module: nn.Module, raw: dict[str, torch.Tensor]) -> list[str]:
-        """Swap each linear for an ``Int8Linear`` quantised from the stored (not down-cast) weight."""
-        from transformers.pytorch_utils import Conv1D
-
-        names = []
-        for name, child in list(module.named_modules()):
-            if isinstance(child, nn.Linear | Conv1D):
-                weight, bias = raw.pop(f"{name}.weight"), raw.pop(f"{name}.bias", None)
-                int8 = Int8Linear.from_weight(weight, bias, dtype=self.dtype, transposed=isinstance(child, Conv1D))
-                module.set_submodule(name, int8.to(self.device))
-                names.append(name)
-        return names
-
     def _load_embedding(self, key: str, *, quantize: bool) -> nn.Module:
         weight = self.reader.read([key])[key]
         if quantize:
-            return Int8Embedding.from_weight(weight, dtype=self.dtype).to(self.device)
+            return quantized_embedding(weight, quant=self.quant, dtype=self.dtype).to(self.device)
         return nn.Embedding.from_pretrained(self._cast(weight), freeze=True)
 
     def _load_head(self) -> nn.Module:
         key = self.arch.head_key
         if self.is_first and key == self.arch.embed_key:  # tied and this block has both ends: share storage
-            return self.embed.as_linear() if isinstance(self.embed, Int8Embedding) else _TiedHead(self.embed)
+            return self.embed.as_linear() if isinstance(self.embed, QUANTIZED_EMBEDDINGS) else _TiedHead(self.embed)
         weight = self.reader.read([key])[key]
-        if self.quantize_int8:
-            return Int8Linear.from_weight(weight, None, dtype=self.dtype).to(self.device)
+        if self.quant != "none":
+            return quantized_linear(weight, None, quant=self.quant, dtype=self.dtype).to(self.device)
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         head.weight = nn.Parameter(self._cast(weight), requires_grad=False)
         return head
@@ -196,8 +190,10 @@ class HFStageModel(nn.Module):
         indices = list(range(self.start, self.end))
         masks = self.arch.masks(h, position_ids, indices)
         rope = self.rotary(h, position_ids) if self.rotary is not None else None
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for i in indices:
-            h = self.arch.run_layer(self.layers[str(i)], h, masks[i], position_ids, rope)
+            args = (self.layers[str(i)], h, masks[i], position_ids, rope)
+            h = checkpoint(self.arch.run_layer, *args, use_reentrant=False) if recompute else self.arch.run_layer(*args)
         if self.is_last:
             return self.head(self.norm(h))
         return h.float()
