@@ -130,6 +130,8 @@ def logits_errors(path: Path, split: list[tuple[int, int]], *, context: int, bat
         "bf16": dict(dtype=torch.bfloat16),
         "int8 (bf16 compute)": dict(dtype=torch.bfloat16, quant="int8"),
         "int8 (fp32 compute)": dict(dtype=torch.float32, quant="int8"),
+        "nf4 (bf16 compute)": dict(dtype=torch.bfloat16, quant="nf4"),
+        "nf4 (fp32 compute)": dict(dtype=torch.float32, quant="nf4"),
     }
     return {name: float((run(**kw) - ref).norm() / ref.norm()) for name, kw in modes.items()}
 
@@ -154,7 +156,7 @@ def make_random_llama(out: Path, *, hidden: int, layers: int, vocab: int = 32000
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="memory per block and int8/bf16 logits error of a HF checkpoint")
+    parser = argparse.ArgumentParser(description="memory per block and bf16/int8/nf4 logits error of a HF checkpoint")
     parser.add_argument("path", type=Path)
     parser.add_argument("--split", default="", help="blocks as a:b,b:c (default: two halves)")
     parser.add_argument("--random", choices=["llama"], help="first write a random checkpoint of this shape to PATH")
@@ -176,8 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         report["logits_rel_error_vs_fp32"] = logits_errors(args.path, split, context=args.context, batch=args.batch)
     for a, b in split:
         report["blocks"][f"[{a},{b})"] = {
-            mode: block_memory(args.path, a, b, "bf16", "int8" if mode == "int8" else "none")
-            for mode in ("bf16", "int8")
+            mode: block_memory(args.path, a, b, "bf16", "none" if mode == "bf16" else mode)
+            for mode in ("bf16", "int8", "nf4")
         }
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(args.path).glob("*.safetensors"))
     print(json.dumps(report, indent=2))
