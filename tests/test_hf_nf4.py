@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from swarm.train.hf import HFStageModel  # noqa: E402
 from swarm.train.hf.lora import LoRALinear  # noqa: E402
-from swarm.train.hf.measure import hf_layer_throughput, make_random_llama  # noqa: E402
+from swarm.train.hf.measure import activation_bytes, hf_layer_throughput, make_random_llama  # noqa: E402
 from swarm.train.hf.nf4 import (  # noqa: E402
     BLOCK,
     NF4_CODE,
@@ -300,6 +300,13 @@ def test_activation_checkpointing_gives_the_same_gradients_and_keeps_far_fewer_b
         out = block(x)
         block.activation_checkpointing = False
         assert torch.equal(out, block(x))
+
+
+def test_the_documented_activation_measure_shrinks_with_checkpointing(checkpoints):
+    kwargs = dict(quant="nf4", context=16, batch=2)
+    plain = activation_bytes(checkpoints["llama"], 1, 3, checkpointing=False, **kwargs)
+    kept = activation_bytes(checkpoints["llama"], 1, 3, checkpointing=True, **kwargs)
+    assert 0 < 5 * kept < plain, (kept, plain)
 
 
 def test_nf4_and_checkpointed_layers_are_measured(checkpoints, monkeypatch):

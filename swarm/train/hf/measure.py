@@ -6,7 +6,8 @@ weights (speed does not depend on the values, and a peer must not read gigabytes
 dtype, with the int8 / NF4 base, activation checkpointing and LoRA adapters the run trains, forward and
 backward like a middle stage.
 
-The command line reproduces docs/finetune.md: memory of a block and logits error of bf16 / int8 / NF4 vs fp32.
+The command line reproduces docs/finetune.md: memory of a block (weights per storage mode, and the activations
+one micro-batch keeps with and without activation checkpointing) and logits error of bf16 / int8 / NF4 vs fp32.
 
     python -m swarm.train.hf.measure PATH --split 0:2,2:4        # a real local checkpoint
     python -m swarm.train.hf.measure /tmp/rand --random llama --hidden 2048 --layers 4
@@ -136,6 +137,37 @@ def logits_errors(path: Path, split: list[tuple[int, int]], *, context: int, bat
     return {name: float((run(**kw) - ref).norm() / ref.norm()) for name, kw in modes.items()}
 
 
+def activation_bytes(
+    path: Path, start: int, end: int, *, quant: str, checkpointing: bool, context: int, batch: int
+) -> int:
+    """Bytes the autograd graph of one bf16 LoRA micro-batch keeps for the backward (weights excluded).
+
+    Counted with ``saved_tensors_hooks`` over one forward of the block; each storage once. This is what
+    every micro-batch in flight costs a stage until its backward, on any device.
+    """
+    from swarm.train.hf.stage import HFStageModel
+
+    block = HFStageModel(
+        path, start, end, dtype="bf16", quant=quant, activation_checkpointing=checkpointing, lora_rank=8
+    )
+    weights = {t.untyped_storage().data_ptr() for t in block.state_dict(keep_vars=True).values()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    if block.is_first:
+        x = torch.randint(0, block.vocab_size, (batch, context), generator=g)
+    else:
+        x = torch.randn(batch, context, block.d_model, generator=g, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(seen.values())
+
+
 def make_random_llama(out: Path, *, hidden: int, layers: int, vocab: int = 32000) -> Path:
     """A TinyLlama-shaped random checkpoint in bf16 (no tokenizer needed for these measurements)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -181,6 +213,15 @@ def main(argv: list[str] | None = None) -> None:
             mode: block_memory(args.path, a, b, "bf16", "none" if mode == "bf16" else mode)
             for mode in ("bf16", "int8", "nf4")
         }
+    report["activation_bytes_per_micro_batch"] = {
+        f"[{a},{b})": {
+            name: activation_bytes(
+                args.path, a, b, quant="nf4", checkpointing=ac, context=args.context, batch=args.batch
+            )
+            for name, ac in (("nf4", False), ("nf4 + activation checkpointing", True))
+        }
+        for a, b in split
+    }
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(args.path).glob("*.safetensors"))
     print(json.dumps(report, indent=2))
 
