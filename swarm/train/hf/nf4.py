@@ -8,7 +8,8 @@ row never shares a block with the next one: an embedding lookup dequantises only
 odd shapes need no special case (the padding is stored, and counted by ``weight_bytes``).
 
 QLoRA's double quantisation (the absmaxes themselves quantised to 8 bits in blocks of 256) is not done
-here: storage is 0.5 + 4/64 = 0.5625 bytes per parameter (plus row padding), against QLoRA's ~0.127.
+here: storage is 0.5 + 4/64 = 0.5625 bytes per parameter (plus row padding), against QLoRA's 0.516
+(whose absmaxes cost 0.127 bits per parameter instead of 0.5).
 
 Like ``quant.Int8Linear``, a matmul dequantises straight to the activation dtype, and a custom autograd
 function keeps only the packed weight for the backward. Pure torch ops, so CPU and CUDA alike; no
