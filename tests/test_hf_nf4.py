@@ -242,8 +242,9 @@ def test_adapters_trained_on_nf4_load_with_peft_on_the_full_model(checkpoints, t
             if isinstance(m, NF4Linear) and name.startswith("layers."):
                 w = m.dequantized(torch.float32)
                 state[ours._hf_name(name.removesuffix(".base")) + ".weight"].copy_(w.t() if conv else w)
-        state[ours.arch.embed_key].copy_(dequantize_nf4(ours.embed.qweight, ours.embed.absmax, ours.d_model,
-                                                        torch.float32))
+        state[ours.arch.embed_key].copy_(
+            dequantize_nf4(ours.embed.qweight, ours.embed.absmax, ours.d_model, torch.float32)
+        )
         if ours.arch.head_key != ours.arch.embed_key:
             state[ours.arch.head_key].copy_(ours.head.dequantized(torch.float32))
     peft_model = peft.PeftModel.from_pretrained(full, str(adapter)).eval()
@@ -320,7 +321,13 @@ def test_nf4_and_checkpointed_layers_are_measured(checkpoints, monkeypatch):
     monkeypatch.setattr(NF4Linear, "forward", lambda self, x: forwards.append(1) or nf4_forward(self, x))
     for arch in ("llama", "gpt2"):
         rate = hf_layer_throughput(
-            checkpoints[arch], "cpu", dtype="bf16", quant="nf4", lora_rank=2, context=8, batch=1,
+            checkpoints[arch],
+            "cpu",
+            dtype="bf16",
+            quant="nf4",
+            lora_rank=2,
+            context=8,
+            batch=1,
             activation_checkpointing=True,
         )
         assert rate > 0
@@ -333,8 +340,9 @@ def test_nf4_on_cuda_matches_cpu(checkpoints):
     p_cpu, a_cpu = quantize_nf4(w)
     p_gpu, a_gpu = quantize_nf4(w.cuda())
     assert torch.equal(p_gpu.cpu(), p_cpu) and torch.equal(a_gpu.cpu(), a_cpu)
-    torch.testing.assert_close(dequantize_nf4(p_gpu, a_gpu, 320, torch.bfloat16).cpu(),
-                               dequantize_nf4(p_cpu, a_cpu, 320, torch.bfloat16))
+    torch.testing.assert_close(
+        dequantize_nf4(p_gpu, a_gpu, 320, torch.bfloat16).cpu(), dequantize_nf4(p_cpu, a_cpu, 320, torch.bfloat16)
+    )
     kwargs = dict(dtype=torch.float32, quant="nf4", lora_rank=4, activation_checkpointing=True)
     cpu = HFStageModel(checkpoints["llama"], 1, 3, **kwargs)
     gpu = HFStageModel(checkpoints["llama"], 1, 3, device="cuda", **kwargs)

@@ -122,9 +122,7 @@ def test_an_nf4_checkpointed_run_is_measured_with_both(tmp_path: Path, monkeypat
     spy(monkeypatch, NF4Linear, nf4)
     recomputed: list = []
     original = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(
-        torch.utils.checkpoint, "checkpoint", lambda *a, **k: recomputed.append(1) or original(*a, **k)
-    )
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: recomputed.append(1) or original(*a, **k))
     assert measured_by_peer(plan, monkeypatch) > 0
     assert nf4, "the NF4 base was not measured"
     assert recomputed, "activation checkpointing was not measured"

@@ -18,6 +18,8 @@ bitsandbytes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,11 +50,14 @@ def _code(device: torch.device | str, dtype: torch.dtype = torch.float32) -> tor
     return torch.tensor(NF4_CODE, dtype=dtype, device=device)
 
 
-def _byte_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """(256, 2): the two code values a packed byte stands for (high nibble first)."""
-    code = _code(device, dtype)
-    b = torch.arange(256, device=device)
-    return torch.stack([code[b >> 4], code[b & 15]], dim=1)
+@functools.cache
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(256, 2): the two code values a packed byte stands for (high nibble first); built once per device and
+    dtype, so a matmul on a GPU does not copy the table from the host each time."""
+    with torch.inference_mode(False):  # a normal tensor even if first built under inference mode
+        code = _code(device, dtype)
+        b = torch.arange(256, device=device)
+        return torch.stack([code[b >> 4], code[b & 15]], dim=1)
 
 
 def padded_cols(cols: int) -> int:
@@ -131,8 +136,10 @@ class NF4Linear(nn.Module):
     def __init__(self, packed: torch.Tensor, absmax: torch.Tensor, in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         if packed.dtype != torch.uint8 or packed.dim() != 2 or absmax.shape != (packed.shape[0], packed.shape[1] // 32):
-            raise ValueError(f"expected (out, padded/2) uint8 codes and (out, padded/64) absmaxes, got "
-                             f"{packed.dtype} {tuple(packed.shape)} and {tuple(absmax.shape)}")
+            raise ValueError(
+                f"expected (out, padded/2) uint8 codes and (out, padded/64) absmaxes, got "
+                f"{packed.dtype} {tuple(packed.shape)} and {tuple(absmax.shape)}"
+            )
         if not 0 < in_features <= packed.shape[1] * 2 or padded_cols(in_features) != packed.shape[1] * 2:
             raise ValueError(f"{in_features} input features do not fit codes of shape {tuple(packed.shape)}")
         self.out_features, self.in_features = packed.shape[0], in_features
