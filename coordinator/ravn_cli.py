@@ -19,7 +19,7 @@ from rich.live import Live
 
 from coordinator.local_swarm import run_local
 from coordinator.membership import Membership, MembershipSettings
-from coordinator.options import RunOptions, with_train_options
+from coordinator.options import RunOptions, checked_configs, with_train_options
 from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import exit_code, status_json, verdict
@@ -66,7 +66,7 @@ def local(
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
     setup_logging(log_level)
-    model = options.model_config()
+    model, hf = checked_configs(options)  # a mistake is one line, before any process starts
     if peers > model.n_layers:
         raise typer.BadParameter(
             f"{options.model} has {model.n_layers} layers; use at most that many peers", param_hint="--peers"
@@ -84,7 +84,7 @@ def local(
         replicate=options.replicate,
         model_name=options.model_name,
         swarm=swarm,
-        hf=options.hf_config(),
+        hf=hf,
         metrics_port=metrics_port,
         swarm_token=generate_token(),  # one per run; peers get it in their environment
     )
