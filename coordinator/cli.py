@@ -138,6 +138,7 @@ def serve(
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         tls=identity,
+        wait_for_fit=True,  # peers can still join, or come back offering more memory
     )
     if saved is not None:
         diffs = settings_diff(saved.settings, settings_record(settings))

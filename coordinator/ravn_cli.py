@@ -31,6 +31,7 @@ from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.security.auth import COORDINATOR_AUDIENCE, generate_token, sync_channel
 from swarm.security.tls import dial_pinned_sync, normalise_fingerprint, speaks_tls
+from swarm.sizes import parse_size
 from swarm.wire.transport import GRPC_OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -48,6 +49,13 @@ def local(
     peers: Annotated[int, typer.Option(min=1, help="Peer processes to start (one pipeline stage each).")] = 3,
     threads: Annotated[int, typer.Option(min=0, help="Compute threads per peer (0: cores / peers).")] = 0,
     device: Annotated[str, typer.Option(help="'auto' (CUDA when present), 'cpu' or 'cuda'.")] = "auto",
+    peer_memory: Annotated[
+        str,
+        typer.Option(
+            help="The most memory each peer offers, e.g. 4GiB (ravn-peer join --memory; default: what it measures "
+            "free). A model that does not fit ends the run with the memory needed and offered.",
+        ),
+    ] = "",
     heartbeat: Annotated[float, typer.Option(min=0.2, help="Seconds between DHT announcements.")] = 2.0,
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="Serve the coordinator's Prometheus metrics on this port.")
@@ -67,6 +75,12 @@ def local(
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
     setup_logging(log_level)
     model, hf = checked_configs(options)  # a mistake is one line, before any process starts
+    if peer_memory:
+        try:
+            if parse_size(peer_memory) <= 0:
+                raise ValueError("must be more than 0 bytes")
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--peer-memory") from None
     if peers > model.n_layers:
         raise typer.BadParameter(
             f"{options.model} has {model.n_layers} layers; use at most that many peers", param_hint="--peers"
@@ -103,6 +117,7 @@ def local(
                 slow_stage=debug_slow_stage,
                 poison_peer=debug_poison_peer,
                 crash_at_checkpoint=debug_crash_at_checkpoint,
+                peer_memory=peer_memory,
             )
         )
     finally:
