@@ -167,7 +167,7 @@ def expected_shapes(config, names: set[str]) -> dict[str, tuple[int, ...]]:
 def check_checkpoint(path: str | Path) -> None:
     """Raise CheckpointError (one line naming the file or the limit) unless every block of ``path`` can be loaded."""
     root = Path(path).expanduser()
-    config = load_config(root)
+    read_config_json(root)  # the files first: what they lack is said without importing transformers
     files = weight_files(root)
     headers = shard_headers(sorted(set(files.values())))
     shapes: dict[str, tuple[int, ...]] = {}
@@ -175,6 +175,7 @@ def check_checkpoint(path: str | Path) -> None:
         if name not in headers[shard]:
             raise CheckpointError(f"{shard} has no tensor {name}, which {INDEX_FILE} says it holds")
         shapes[name] = headers[shard][name]
+    config = load_config(root)
     expected = expected_shapes(config, set(files))
     missing = [n for n in expected if n not in shapes]
     if missing:
