@@ -90,7 +90,6 @@ class RunOptions:
             )
         from swarm.train.stage_factory import config_sha256
 
-        targets = tuple(t for t in self.lora_targets.replace(",", " ").split() if t)
         return HFConfig(
             path=str(Path(self.model).expanduser().resolve()),
             dtype=self.dtype,
@@ -98,9 +97,13 @@ class RunOptions:
             activation_checkpointing=self.activation_checkpointing,
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
-            lora_targets=targets,
+            lora_targets=self.lora_target_names,
             config_sha256=config_sha256(self.model),
         )
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        return tuple(t for t in self.lora_targets.replace(",", " ").split() if t)
 
     @property
     def model_name(self) -> str:
@@ -154,9 +157,10 @@ def checked_configs(options: RunOptions) -> tuple[ModelConfig, HFConfig | None]:
     """
     try:
         if options.is_checkpoint:
-            from swarm.train.hf.checkpoint_check import check_checkpoint
+            from swarm.train.hf.checkpoint_check import check_checkpoint, check_lora_targets
 
             check_checkpoint(options.model)
+            check_lora_targets(options.model, options.lora_target_names)
         return options.model_config(), options.hf_config()
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError; typer.BadParameter passes through
         config_error(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)

@@ -24,6 +24,7 @@ from swarm.train.hf.checkpoint_check import (  # noqa: E402
     INDEX_FILE,
     CheckpointError,
     check_checkpoint,
+    check_lora_targets,
     default_context,
 )
 from swarm.train.hf.tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
@@ -203,3 +204,12 @@ def test_reads_headers_only(originals, monkeypatch):
     monkeypatch.setattr(checkpoint_check, "safe_open", HeadersOnly)
     check_checkpoint(originals["sharded"])
     check_checkpoint(originals["gpt2"])
+
+
+def test_lora_targets_must_name_projections_of_the_layers(originals):
+    check_lora_targets(originals["llama"], ("q_proj", "v_proj"))
+    check_lora_targets(originals["gpt2"], ())
+    with pytest.raises(
+        CheckpointError, match=r"--lora-targets qkv: no such projection in a gpt2 layer; choose from c_attn"
+    ):
+        check_lora_targets(originals["gpt2"], ("c_attn", "qkv"))

@@ -186,3 +186,28 @@ def check_checkpoint(path: str | Path) -> None:
             raise CheckpointError(
                 f"{files[name]}: tensor {name} has shape {list(shapes[name])}, but config.json implies {list(shape)}"
             )
+
+
+def check_lora_targets(path: str | Path, targets: tuple[str, ...]) -> None:
+    """Every name in ``targets`` (``--lora-targets``) must be a projection of the checkpoint's layers."""
+    if not targets:
+        return
+    import torch
+
+    from swarm.train.hf.lora import linear_features
+
+    root = Path(path).expanduser()
+    config = load_config(root)
+    try:
+        arch = architecture_for(config, set(weight_files(root)))
+    except (KeyError, NotImplementedError) as e:
+        raise CheckpointError(str(e.args[0]) if e.args else type(e).__name__) from None
+    with torch.device("meta"):
+        layer = arch.new_layer(0)
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in layer.named_modules() if n and linear_features(m) is not None})
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise CheckpointError(
+            f"--lora-targets {','.join(unknown)}: no such projection in a {config.model_type} layer; "
+            f"choose from {', '.join(names)}"
+        )
