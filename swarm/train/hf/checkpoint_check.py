@@ -1,7 +1,7 @@
 """Is this directory a Hugging Face checkpoint Ravn can fine-tune? Checked from headers alone, before any peer trains.
 
 ``check_checkpoint`` reads ``config.json``, the shard index and every safetensors header (never tensor
-data, so a 70B checkpoint is checked in a second), builds the decoder layers, the embeddings, the final
+data, so a 70B checkpoint is checked in seconds), builds the decoder layers, the embeddings, the final
 norm and the head on the meta device from the config exactly as ``HFStageModel`` does, and compares
 every expected tensor's shape with the stored one. Whatever is wrong raises one ``CheckpointError``
 whose message is one line naming the file or the limit; the coordinator prints it and exits, and a
