@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import grpc
@@ -19,7 +20,7 @@ from rich.live import Live
 
 from coordinator.local_swarm import run_local
 from coordinator.membership import Membership, MembershipSettings
-from coordinator.options import RunOptions, checked_configs, with_train_options
+from coordinator.options import RunOptions, checked_configs, config_error, with_train_options
 from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import exit_code, status_json, verdict
@@ -75,6 +76,8 @@ def local(
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
     setup_logging(log_level)
     model, hf = checked_configs(options)  # a mistake is one line, before any process starts
+    if options.data != "stdlib" and not Path(options.data).expanduser().exists():  # the peers read it here
+        config_error(f"--data {options.data}: no such file or folder")
     if peer_memory:
         try:
             if parse_size(peer_memory) <= 0:

@@ -73,6 +73,11 @@ BAD = {
     "wrong shape": (_wrong_shape, "llama", ()),
     "unsupported architecture": (_unsupported, "llama", ()),
     ".bin only": (_bin_only, "llama", ()),
+    "data that does not exist": (
+        lambda ckpt: "--data /nonexistent/sums.jsonl: no such file or folder",
+        "llama",
+        ("--data", "/nonexistent/sums.jsonl"),
+    ),
     "context beyond the positions": (
         lambda ckpt: f"context 512 exceeds the 128 positions of {ckpt / 'config.json'}",
         "llama",

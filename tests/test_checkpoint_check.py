@@ -97,6 +97,12 @@ def test_pickled_weights_only(originals, tmp_path):
     refused(ckpt, "no *.safetensors")
 
 
+def test_no_tokenizer(originals, tmp_path):
+    ckpt = copy(originals, tmp_path)
+    (ckpt / "tokenizer.json").unlink()
+    refused(ckpt, str(ckpt), "has no tokenizer")
+
+
 def test_missing_shard(originals, tmp_path):
     ckpt = copy(originals, tmp_path, "sharded")
     index = json.loads((ckpt / INDEX_FILE).read_text())

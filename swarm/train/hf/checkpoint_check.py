@@ -19,6 +19,7 @@ from swarm.train.hf.arch import GPT2Family, LlamaFamily, architecture_class, arc
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: the data source tokenizes
 DEFAULT_CONTEXT = 512  # training sequence length when --context is not given (at most the model's positions)
 # config.json keys each family cannot be built without (alternatives: the names GPT-2 uses)
 REQUIRED_KEYS = {
@@ -168,6 +169,8 @@ def check_checkpoint(path: str | Path) -> None:
     """Raise CheckpointError (one line naming the file or the limit) unless every block of ``path`` can be loaded."""
     root = Path(path).expanduser()
     read_config_json(root)  # the files first: what they lack is said without importing transformers
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{root} has no tokenizer ({', '.join(TOKENIZER_FILES)}); the data is tokenized with it")
     files = weight_files(root)
     headers = shard_headers(sorted(set(files.values())))
     shapes: dict[str, tuple[int, ...]] = {}
