@@ -8,54 +8,41 @@ for. Everything is read from a local directory; nothing is ever downloaded.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-INDEX_FILE = "model.safetensors.index.json"
+from swarm.train.hf.checkpoint_check import INDEX_FILE, CheckpointError, load_config, weight_files
+
+__all__ = ["INDEX_FILE", "CheckpointError", "CheckpointReader", "load_hf_config"]
 
 
 def load_hf_config(path: str | Path, *, attn_implementation: str = "sdpa"):  # -> transformers.PretrainedConfig
     """The checkpoint's ``config.json``, with the attention kernel chosen explicitly.
 
     Decoder layers built outside a ``PreTrainedModel`` never get an attention implementation assigned,
-    and with none the mask helpers silently return no causal mask; so it is always set here.
+    and with none the mask helpers silently return no causal mask; so it is always set here. A missing or
+    unusable ``config.json`` is a ``CheckpointError`` naming it.
     """
-    from transformers import AutoConfig
-
-    root = Path(path).expanduser()
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{root} has no config.json; expected a local Hugging Face checkpoint directory")
-    config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    config = load_config(path)
     config._attn_implementation = attn_implementation
     return config
 
 
 class CheckpointReader:
-    """Name → shard map of a local safetensors checkpoint, reading tensors individually on demand."""
+    """Name → shard map of a local safetensors checkpoint, reading tensors individually on demand.
+
+    Everything wrong with the files (no shards, a shard the index names missing or corrupt, a tensor
+    missing) is a ``CheckpointError`` naming the file: a peer's local copy may differ from the one the
+    coordinator checked.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.root = Path(path).expanduser()
-        self.files = self._weight_map()
+        self.files = weight_files(self.root)  # the index, or every shard's header
         self.read_names: list[str] = []
-
-    def _weight_map(self) -> dict[str, Path]:
-        index = self.root / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.root / fname for name, fname in weight_map.items()}
-        shards = sorted(self.root.glob("*.safetensors"))
-        if not shards:
-            raise FileNotFoundError(f"no *.safetensors files in {self.root} (pickled .bin checkpoints are not read)")
-        files: dict[str, Path] = {}
-        for shard in shards:
-            with safe_open(str(shard), framework="pt") as f:  # reads the header only
-                for name in f.keys():
-                    files[name] = shard
-        return files
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -68,14 +55,21 @@ class CheckpointReader:
         wanted = list(names)
         missing = [n for n in wanted if n not in self.files]
         if missing:
-            raise KeyError(f"{self.root} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{self.root} lacks tensor {missing[0]}{more}")
         by_file: dict[Path, list[str]] = {}
         for name in wanted:
             by_file.setdefault(self.files[name], []).append(name)
         out: dict[str, torch.Tensor] = {}
         for shard, shard_names in by_file.items():
-            with safe_open(str(shard), framework="pt", device="cpu") as f:
-                for name in shard_names:
-                    out[name] = f.get_tensor(name)
+            try:
+                with safe_open(str(shard), framework="pt", device="cpu") as f:
+                    held = set(f.keys())
+                    for name in shard_names:
+                        if name not in held:
+                            raise CheckpointError(f"{shard} has no tensor {name}, which {INDEX_FILE} says it holds")
+                        out[name] = f.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{shard} is truncated or corrupt ({e})") from None
         self.read_names.extend(wanted)
         return out

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from swarm.config import ModelConfig
 from swarm.train.hf.arch import Architecture, architecture_class, architecture_for
+from swarm.train.hf.checkpoint_check import CheckpointError, positions
 from swarm.train.hf.loader import CheckpointReader, load_hf_config
 from swarm.train.hf.lora import attach_lora, read_peft_adapter, save_peft_adapter
 from swarm.train.hf.quant import (
@@ -80,7 +81,10 @@ class HFStageModel(nn.Module):
         self.path = Path(path).expanduser()
         self.hf_config = load_hf_config(self.path, attn_implementation=attn_implementation)
         self.reader = CheckpointReader(self.path)
-        self.arch: Architecture = architecture_for(self.hf_config, set(self.reader.files))
+        try:
+            self.arch: Architecture = architecture_for(self.hf_config, set(self.reader.files))
+        except KeyError as e:  # the embedding is under neither prefix
+            raise CheckpointError(f"{self.path}: {e.args[0] if e.args else e}") from None
         n = self.arch.n_layers
         if not 0 <= start < end <= n:
             raise ValueError(f"invalid block [{start}, {end}) for a model of {n} layers")
@@ -131,9 +135,16 @@ class HFStageModel(nn.Module):
         """Build ``factory()`` on the meta device, then fill it with exactly its tensors from the checkpoint."""
         with torch.device("meta"):
             module = factory()
-        keys = list(module.state_dict().keys())
+        expected = module.state_dict()  # meta tensors: names and shapes only
+        keys = list(expected)
         tensors = self.reader.read(prefix + k for k in keys)
         raw = {k: tensors[prefix + k] for k in keys}
+        for k, v in raw.items():
+            if tuple(v.shape) != tuple(expected[k].shape):
+                raise CheckpointError(
+                    f"{self.reader.files[prefix + k]}: tensor {prefix + k} has shape {list(v.shape)}, "
+                    f"but config.json implies {list(expected[k].shape)}"
+                )
         quantized: list[str] = []
         if self.quant != "none":  # quantised from the stored (not down-cast) weights
             quantized = quantize_linears(module, quant=self.quant, dtype=self.dtype, device=self.device, raw=raw)
@@ -142,11 +153,21 @@ class HFStageModel(nn.Module):
         )
         missing = [k for k in missing if not any(k.startswith(q + ".") for q in quantized)]
         if missing or unexpected:
-            raise RuntimeError(f"loading {prefix}: missing {missing}, unexpected {unexpected}")
+            raise CheckpointError(f"{self.path}: loading {prefix}: missing {missing}, unexpected {unexpected}")
         return module
 
-    def _load_embedding(self, key: str, *, quantize: bool) -> nn.Module:
+    def _read_matrix(self, key: str, rows: int) -> torch.Tensor:
+        """One (rows, hidden) matrix: an embedding or the head (CheckpointError naming its shard if it is not)."""
         weight = self.reader.read([key])[key]
+        if tuple(weight.shape) != (rows, self.d_model):
+            raise CheckpointError(
+                f"{self.reader.files[key]}: tensor {key} has shape {list(weight.shape)}, "
+                f"but config.json implies {[rows, self.d_model]}"
+            )
+        return weight
+
+    def _load_embedding(self, key: str, *, quantize: bool) -> nn.Module:
+        weight = self._read_matrix(key, self.context if key == self.arch.pos_embed_key else self.vocab_size)
         if quantize:
             return quantized_embedding(weight, quant=self.quant, dtype=self.dtype).to(self.device)
         return nn.Embedding.from_pretrained(self._cast(weight), freeze=True)
@@ -155,7 +176,7 @@ class HFStageModel(nn.Module):
         key = self.arch.head_key
         if self.is_first and key == self.arch.embed_key:  # tied and this block has both ends: share storage
             return self.embed.as_linear() if isinstance(self.embed, QUANTIZED_EMBEDDINGS) else _TiedHead(self.embed)
-        weight = self.reader.read([key])[key]
+        weight = self._read_matrix(key, self.vocab_size)
         if self.quant != "none":
             return quantized_linear(weight, None, quant=self.quant, dtype=self.dtype).to(self.device)
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -295,9 +316,12 @@ def adapter_settings(
 def hf_model_config(path: str | Path, context: int) -> ModelConfig:
     """Sizes of a HF checkpoint as a ``ModelConfig`` (training sequence length ``context``) for StageRunner's checks."""
     config = load_hf_config(path)
-    max_positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or context)
+    max_positions = positions(config) or context
     if context > max_positions:
-        raise ValueError(f"context {context} exceeds the model's {max_positions} positions")
+        raise CheckpointError(
+            f"context {context} exceeds the {max_positions} positions of {Path(path).expanduser() / 'config.json'} "
+            f"(use --context {max_positions} or less)"
+        )
     return ModelConfig(
         n_layers=config.num_hidden_layers,
         d_model=config.hidden_size,
