@@ -155,15 +155,34 @@ def smallest_fit(arch: mm.Arch, s: mm.Settings, peers: list[PeerDescription], re
     n = min(len(peers), arch.n_layers)
     share = math.ceil(arch.n_layers / n)
     need = mm.min_memory_for(arch, s, share) + reserve
-    largest = max(p.memory for p in peers)
-    layers = max((k for k in range(1, arch.n_layers + 1) if mm.min_memory_for(arch, s, k) + reserve <= largest),
-                 default=0)
     text = f"needs >= {need / (1 << 30):.1f} GiB per peer for {share} layers each on {n} peers"
-    if layers == 0:
+    largest = max(p.memory for p in peers)
+    count = peers_of(arch, s, largest - reserve)
+    if count is None:
         one = mm.min_memory_for(arch, s, 1) + reserve
-        return text + f"; even one layer (with the head) needs {one / (1 << 30):.1f} GiB"
-    peers_needed = math.ceil(arch.n_layers / layers)
-    return text + f", or about {peers_needed} peers of {largest / (1 << 30):g} GiB ({layers} layers each)"
+        return text + f"; a block of one layer with the head needs {one / (1 << 30):.1f} GiB"
+    return text + f", or {count} peers of {largest / (1 << 30):g} GiB"
+
+
+def peers_of(arch: mm.Arch, s: mm.Settings, memory: float) -> int | None:
+    """The fewest peers of ``memory`` bytes each that hold the model: the largest first and last blocks
+    (embedding; head and logits), the middle filled greedily; None if an end block of one layer is too big."""
+    n_layers = arch.n_layers
+
+    def most(fits) -> int:
+        return max((k for k in range(1, n_layers + 1) if fits(k)), default=0)
+
+    if mm.block_memory(arch, s, 0, n_layers).total <= memory:
+        return 1
+    first = most(lambda k: mm.block_memory(arch, s, 0, k).total <= memory)
+    last = most(lambda k: mm.block_memory(arch, s, n_layers - k, n_layers).total <= memory)
+    middle = most(lambda k: k < n_layers and mm.block_memory(arch, s, 1, 1 + k).total <= memory)
+    if not first or not last:
+        return None
+    rest = n_layers - first - last
+    if rest <= 0:
+        return 2
+    return None if not middle else 2 + math.ceil(rest / middle)
 
 
 def _gib(x: float) -> str:
