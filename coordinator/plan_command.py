@@ -209,7 +209,8 @@ def render(report: dict, console: Console) -> None:
     per_token = report["boundary_bytes_per_token"]
     console.print(
         f"boundary bytes per token: forward {per_token['forward']:,.0f} ({s['wire_forward']}), "
-        f"backward {per_token['backward']:,.0f} ({s['wire_backward']})"
+        f"backward {per_token['backward']:,.0f} ({s['wire_backward']}); "
+        f"{s['reserve_bytes'] / (1 << 30):g} GiB kept free per peer (--reserve)"
     )
     bn = report["bottleneck"]
     console.print(

@@ -39,22 +39,23 @@ def fewest_peers(model: str, memory: str, *extra: str) -> int:
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else "docs/configs/llama-3-70b.json"
     memory = sys.argv[2] if len(sys.argv) > 2 else "24GiB"
-    codec_cols = " | ".join(f"{f}/{b} {link} Mbit/s" for f, b in CODECS for link in LINKS)
-    print(f"| base | checkpointing | peers of {memory} | layers per peer | {codec_cols} |")
-    print("|---|---|---:|---|" + "---:|" * (len(CODECS) * len(LINKS)))
+    links = " | ".join(f"{link} Mbit/s" for link in LINKS)
+    print(f"| base | checkpointing | peers of {memory} | layers per peer | codecs (fwd/bwd) | {links} |")
+    print("|---|---|---:|---|---|" + "---:|" * len(LINKS))
     for ckpt in (False, True):
         for quant in QUANTS:
             extra = ["--quant", quant] + (["--activation-checkpointing"] if ckpt else [])
             n = fewest_peers(model, memory, *extra)
-            cells, layers = [], ""
             for fwd, bwd in CODECS:
+                cells, sizes = [], []
                 for link in LINKS:
                     report = run_plan(model, memory, n, link, *extra, "--codec-forward", fwd, "--codec-backward", bwd)
                     cells.append(f"{report['tokens_per_second']:,.0f}")
                     sizes = [b - a for a, b in (r["layers"] for r in report["stages"])]
-                    layers = f"{min(sizes)}-{max(sizes)}" if min(sizes) != max(sizes) else str(sizes[0])
-            name = "bf16" if quant == "none" else quant
-            print(f"| {name} | {'yes' if ckpt else 'no'} | {n} | {layers} | " + " | ".join(cells) + " |")
+                layers = f"{min(sizes)}-{max(sizes)}" if min(sizes) != max(sizes) else str(sizes[0])
+                name = "bf16" if quant == "none" else quant
+                row = [name, "yes" if ckpt else "no", str(n), layers, f"{fwd}/{bwd}", *cells]
+                print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":
