@@ -33,16 +33,18 @@ MIN_SPEED = 1e-3
 MIN_BANDWIDTH = 1e3
 
 
-def peer_specs(records: Sequence[PeerRecord]) -> list[PeerSpec]:
+def peer_specs(records: Sequence[PeerRecord], *, overhead: float = 0.0) -> list[PeerSpec]:
     """Measured claims as placement input; a peer that measured nothing still gets a tiny positive rate.
 
     The raw measurements go in: placement itself decides what is measurement noise (``placement.steady``).
+    ``overhead`` (``block_overhead``) is what any block costs whatever its size, taken off each peer's memory
+    because placement's memory is a sum over layers.
     """
     return [
         PeerSpec(
             peer_id=r.peer_id,
             speed=max(r.throughput_layers_per_s, MIN_SPEED),
-            free_memory=float(r.free_memory_bytes),
+            free_memory=max(float(r.free_memory_bytes) - overhead, 0.0),
             upload=max(r.bandwidth_up_bytes_per_s, MIN_BANDWIDTH),
             download=max(r.bandwidth_down_bytes_per_s, MIN_BANDWIDTH),
             reachable=r.reachable is not False,
@@ -63,6 +65,11 @@ def hf_settings(model: ModelConfig, train: TrainConfig, hf: HFConfig) -> mm.Sett
         in_flight=train.in_flight_limit,
         activation_checkpointing=hf.activation_checkpointing,
     )
+
+
+def block_overhead(model: ModelConfig, train: TrainConfig, hf: HFConfig | None) -> float:
+    """Bytes every HF block holds whatever its size (``memory_model.stage_overhead_bytes``); 0 for the GPT."""
+    return 0.0 if hf is None else mm.stage_overhead_bytes(hf_arch(model, hf), hf_settings(model, train, hf))
 
 
 def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from coordinator.checkpoint_store import CheckpointStore
 from coordinator.membership import Membership, make_plan
 from coordinator.placement import PlacementError, Unarrangeable, place
-from coordinator.plan_inputs import model_spec, peer_specs
+from coordinator.plan_inputs import block_overhead, model_spec, peer_specs
 from coordinator.progress import Progress
 from coordinator.run_settings import RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
@@ -140,8 +140,9 @@ class Planning:
     def layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
         """Blocks, their holders in pipeline order and the predicted micro-batches/s (no side effects)."""
         spec = model_spec(self.s.model, self.s.train, self.s.hf)
+        peers = peer_specs(records, overhead=block_overhead(self.s.model, self.s.train, self.s.hf))
         try:
-            placed = place(peer_specs(records), spec, stages=self.s.stages, replicate=self.s.replicate)
+            placed = place(peers, spec, stages=self.s.stages, replicate=self.s.replicate)
         except Unarrangeable as e:
             raise RunFailed(f"blocked on reachability: {e}") from None
         except PlacementError as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from coordinator.plan_inputs import hf_settings, model_spec, peer_specs
+from coordinator.plan_inputs import block_overhead, hf_settings, model_spec, peer_specs
 from swarm.config import PROTOCOL_VERSION, HFConfig, ModelConfig, TrainConfig
 from swarm.dht.schema import PeerRecord
 
@@ -63,3 +63,6 @@ def test_a_hf_checkpoint_is_planned_from_its_config_by_the_memory_model() -> Non
     assert spec.layer_memory[0] > spec.layer_memory[1] < spec.layer_memory[-1]  # embedding, head and logits
     assert spec.layer_cost[:-1] == (1.0,) * 79 and spec.layer_cost[-1] > 1.0  # the head costs compute too
     assert spec.forward_bytes[0] == 4 * 512 * 8192 * (0.5 + 2 / 64)  # int4_rot activations
+    overhead = block_overhead(model, TRAIN, hf)
+    assert overhead == mm.stage_overhead_bytes(arch, settings) > 0 == block_overhead(model, TRAIN, None)
+    assert peer_specs([record("a", 1.0)], overhead=overhead)[0].free_memory == 8e9 - overhead
