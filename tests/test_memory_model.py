@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 
 from coordinator.memory_model import (  # noqa: E402
     Arch,
@@ -84,11 +86,17 @@ def llama_layer(shape, dtype: torch.dtype, rank: int, *, int8: bool = False):
     rotary = LlamaRotaryEmbedding(config=config)
     x = torch.randn(batch, t, d, requires_grad=True)
 
-    def run():
-        h, pos = x.to(dtype), torch.arange(t)[None]  # as HFStageModel.forward: fp32 in, compute dtype inside
+    def call(h, pos, rope):
         mask = create_causal_mask(config, h, None, None, position_ids=pos)
-        out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary(h, pos))
+        out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
         return out[0] if isinstance(out, tuple) else out
+
+    def run(checkpointed: bool = False):
+        h, pos = x.to(dtype), torch.arange(t)[None]  # as HFStageModel.forward: fp32 in, compute dtype inside
+        rope = rotary(h, pos)  # once per block, shared by its layers
+        if checkpointed:  # as HFStageModel with activation checkpointing
+            return torch.utils.checkpoint.checkpoint(call, h, pos, rope, use_reentrant=False)
+        return call(h, pos, rope)
 
     return config, layer, run
 
@@ -113,6 +121,19 @@ def test_an_int8_base_saves_the_same_activations(dtype):
     predicted = layer_activation_bytes(Arch.from_config(config), settings)
     measured = saved_bytes(layer, run)
     assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_activation_checkpointing_keeps_only_the_layer_input(dtype):
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    shape = LLAMA_SHAPES[2]
+    config, layer, run = llama_layer(shape, torch_dtype, 8)
+    settings = Settings(dtype=dtype, lora_rank=8, micro_batch_size=shape[0], context=shape[1], in_flight=1)
+    measured = saved_bytes(layer, lambda: run(checkpointed=True))  # the input and the position ids
+    predicted = in_flight_layer_bytes(Arch.from_config(config), replace(settings, activation_checkpointing=True))
+    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
+    full = saved_bytes(layer, run)
+    assert measured < full / 8
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -149,20 +170,24 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from swarm.train.hf.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("memory-model")
-    return {arch: make_tiny_checkpoint(root / arch, arch) for arch in ("llama", "qwen2", "gpt2")}
+    # hidden 96: NF4 rows of 96 values are padded to 128, so the padding is counted too
+    return {arch: make_tiny_checkpoint(root / arch, arch, hidden=96) for arch in ("llama", "qwen2", "gpt2")}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "nf4"])
 def test_block_weights_match_the_stage_model(checkpoints, arch, quant):
-    """Base + embedding/head bytes equal ``weight_bytes()`` to within the 64-row padding of nothing: exactly."""
+    """Base + embedding/head bytes equal ``weight_bytes()`` exactly (NF4 rows padded to 64 included)."""
     from swarm.train.hf import HFStageModel
 
     path = checkpoints[arch]
     spec = Arch.from_path(path)
     settings = Settings(dtype="bf16", quant=quant, lora_rank=4)
     for start, end in [(0, 2), (2, 4), (1, 3), (0, 4)]:
-        block = HFStageModel(path, start, end, dtype="bf16", quant=quant, lora_rank=4)
+        try:
+            block = HFStageModel(path, start, end, dtype="bf16", quant=quant, lora_rank=4)
+        except NotImplementedError:  # NF4 blocks arrive with swarm/train/hf/nf4.py; checked against it by hand
+            pytest.xfail(f"HFStageModel has no {quant} base yet")
         predicted = block_memory(spec, settings, start, end)
         assert predicted.base + predicted.ends == block.weight_bytes(), (start, end)
         adapters = sum(p.numel() for p in block.parameters() if p.requires_grad)
