@@ -267,7 +267,12 @@ def stage_overhead_bytes(arch: Arch, s: Settings) -> float:
 
 
 def block_memory(arch: Arch, s: Settings, start: int, end: int) -> BlockMemory:
-    """The prediction for a peer holding layers ``[start, end)``: what the benchmark compares to reality."""
+    """The prediction for a peer holding layers ``[start, end)``: what a benchmark compares to reality.
+
+    Every block is charged ``s.in_flight`` micro-batches, as placement charges them (conservative). The
+    last block really holds one at a time (``StageRunner`` runs its forward, loss and backward back to
+    back): to predict its measured peak, pass ``dataclasses.replace(s, in_flight=1)``.
+    """
     if not 0 <= start < end <= arch.n_layers:
         raise ValueError(f"invalid block [{start}, {end}) for a model of {arch.n_layers} layers")
     k = end - start

@@ -25,6 +25,7 @@ from coordinator import memory_model as mm
 from coordinator.cost_model import CostModel, PeerSpec
 from coordinator.placement import NoFit, PlacementError, place
 from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec
+from coordinator.reachability import Unarrangeable
 from swarm.config import BASE_QUANTS, TrainConfig
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches
@@ -260,6 +261,9 @@ def plan(
                              stages=stages, reserve=reserve * (1 << 30))
     except PlacementError as exc:
         typer.echo(f"ravn plan: no plan fits: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except Unarrangeable as exc:
+        typer.echo(f"ravn plan: blocked on reachability: {exc}", err=True)
         raise typer.Exit(1) from None
     except ValueError as exc:
         typer.echo(f"ravn plan: {exc}", err=True)

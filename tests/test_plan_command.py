@@ -94,3 +94,16 @@ def test_no_fit_is_one_line_with_the_memory_needed_and_exit_code_1() -> None:
     assert "no plan fits" in proc.stderr and "needs >= " in proc.stderr and "GiB per peer for 40 layers" in proc.stderr
     bad = ravn_plan("--model", str(LLAMA_70B), "--peer", "24GiB")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "want MEMORY,LINK" in bad.stderr
+
+
+def test_peers_that_cannot_be_arranged_are_one_line_too(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from coordinator.ravn_cli import app
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    nat = ["--peer", "4GiB,100mbit,nat"] * 2
+    result = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), *nat])
+    assert result.exit_code == 1 and "blocked on reachability" in result.output
+    result = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--peer", "4GiB,1mbit", "--context", "4096"])
+    assert result.exit_code == 2 and "exceeds the model's 2048 positions" in result.output
