@@ -129,6 +129,7 @@ def plan_report(
                 "stage": stage, "peer": pid, "replica": pid != block.peer_ids[0], "layers": [a, b],
                 "base_bytes": mem.base, "adapter_bytes": mem.adapters, "activation_bytes": mem.activations,
                 "ends_bytes": mem.ends, "total_bytes": mem.total, "memory_bytes": by_name[pid].memory,
+                "headroom_bytes": by_name[pid].memory - reserve - mem.total,
                 "seconds_per_micro_batch": float(compute + recv + send),
                 "compute_s": float(compute), "download_s": float(recv), "upload_s": float(send),
                 "limited_by": max(parts, key=parts.get), "stage_seconds": block.time,
@@ -197,14 +198,15 @@ def render(report: dict, console: Console) -> None:
                   f"quant {s['quant']}, LoRA r{s['lora_rank']}, micro-batch {s['micro_batch_size']}x{s['context']}, "
                   f"{s['in_flight']} in flight" + (", checkpointing" if s["activation_checkpointing"] else ""))
     for col in ("stage", "peer", "layers", "base GiB", "LoRA+Adam GiB", "activations GiB", "emb/head GiB",
-                "total GiB", "memory GiB", "s / micro-batch", "limited by"):
+                "total GiB", "memory GiB", "headroom GiB", "s / micro-batch", "limited by"):
         table.add_column(col, justify="left" if col in ("peer", "limited by") else "right")
     for r in report["stages"]:
         a, b = r["layers"]
         table.add_row(
             str(r["stage"]) + (" (replica)" if r["replica"] else ""), r["peer"], f"{b - a} [{a},{b})",
             _gib(r["base_bytes"]), _gib(r["adapter_bytes"]), _gib(r["activation_bytes"]), _gib(r["ends_bytes"]),
-            _gib(r["total_bytes"]), _gib(r["memory_bytes"]), f"{r['seconds_per_micro_batch']:.3f}", r["limited_by"],
+            _gib(r["total_bytes"]), _gib(r["memory_bytes"]), _gib(r["headroom_bytes"]),
+            f"{r['seconds_per_micro_batch']:.3f}", r["limited_by"],
         )
     console.print(table)
     per_token = report["boundary_bytes_per_token"]
