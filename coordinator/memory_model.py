@@ -210,10 +210,9 @@ def layer_adapter_bytes(arch: Arch, s: Settings) -> float:
     return 16.0 * s.lora_rank * sum(m.fan_in + m.fan_out for m in _targets(arch, s))
 
 
-def layer_activation_bytes(arch: Arch, s: Settings, tokens: int | None = None) -> float:
-    """Bytes autograd saves in one layer's forward for one micro-batch (``tokens`` = batch x context)."""
-    n = s.tokens if tokens is None else tokens
-    t = s.context if tokens is None else min(s.context, n)
+def layer_activation_bytes(arch: Arch, s: Settings) -> float:
+    """Bytes autograd saves in one layer's forward for one micro-batch of ``s.tokens`` tokens."""
+    n, t = s.tokens, s.context
     e, d, inter = s.elem, arch.hidden, arch.intermediate
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     targets = _targets(arch, s)
@@ -314,11 +313,6 @@ def layer_costs(arch: Arch, s: Settings) -> tuple[float, ...]:
     out = [1.0] * arch.n_layers
     out[-1] += head_flops(arch, s) / layer_flops(arch, s)
     return tuple(out)
-
-
-def boundary_bytes_per_token(arch: Arch, codec_bytes: float) -> float:
-    """One token's hidden state across a boundary after a codec of ``codec_bytes`` per element."""
-    return arch.hidden * codec_bytes
 
 
 def min_memory_for(arch: Arch, s: Settings, layers: int) -> float:
