@@ -19,8 +19,8 @@ peer, so the arithmetic lives here once, pure (no torch, no weights read). It mi
   adapter in bf16/fp16, shared in fp32) plus its rank-r middle. With activation checkpointing only the
   layer input survives per micro-batch, and one layer's full set is rebuilt at a time.
 * per block: the fp32 input received and the fp32 output kept for the gradient, per micro-batch in
-  flight; on the last block one micro-batch's logits (in ``dtype``), log-softmax output and the two fp32
-  gradients of the loss (the last stage runs forward, loss and backward back to back).
+  flight. The last block runs forward, loss and backward back to back, so it keeps one micro-batch's
+  activations, plus its logits (in ``dtype``), log-softmax output and the two fp32 gradients of the loss.
 
 FLOPs of one layer per micro-batch: forward ``2 N`` per base weight plus causal attention; backward one
 more pass for input gradients only (the base has no weight gradients), the adapters and attention
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -268,14 +268,14 @@ def stage_overhead_bytes(arch: Arch, s: Settings) -> float:
 def block_memory(arch: Arch, s: Settings, start: int, end: int) -> BlockMemory:
     """The prediction for a peer holding layers ``[start, end)``: what a benchmark compares to reality.
 
-    Every block is charged ``s.in_flight`` micro-batches, as placement charges them (conservative). The
-    last block really holds one at a time (``StageRunner`` runs its forward, loss and backward back to
-    back): to predict its measured peak, pass ``dataclasses.replace(s, in_flight=1)``.
+    A block keeps the activations of ``s.in_flight`` micro-batches, except the last, which keeps one:
+    ``StageRunner`` runs its forward, loss and backward back to back.
     """
     if not 0 <= start < end <= arch.n_layers:
         raise ValueError(f"invalid block [{start}, {end}) for a model of {arch.n_layers} layers")
     k = end - start
     first, last = start == 0, end == arch.n_layers
+    s = replace(s, in_flight=1) if last else s
     ends = (embedding_bytes(arch, s) if first else 0.0) + (head_bytes(arch, s, holds_embedding=first) if last else 0.0)
     activations = k * in_flight_layer_bytes(arch, s) + stage_overhead_bytes(arch, s)
     activations += logits_bytes(arch, s) if last else 0.0
@@ -290,6 +290,11 @@ def layer_memory(arch: Arch, s: Settings) -> tuple[float, ...]:
     out[0] += embedding_bytes(arch, s)
     out[-1] += head_bytes(arch, s, holds_embedding=arch.n_layers == 1) + logits_bytes(arch, s)
     return tuple(out)
+
+
+def last_layer_memory(arch: Arch, s: Settings) -> tuple[float, ...]:
+    """``layer_memory`` for layers in the last block, which keeps one micro-batch's activations at a time."""
+    return layer_memory(arch, replace(s, in_flight=1))
 
 
 def layer_flops(arch: Arch, s: Settings) -> float:
@@ -316,7 +321,7 @@ def layer_costs(arch: Arch, s: Settings) -> tuple[float, ...]:
 
 
 def min_memory_for(arch: Arch, s: Settings, layers: int) -> float:
-    """The most a peer needs among blocks of ``layers`` layers (the worst is the last, with the head)."""
+    """The most a peer needs among blocks of ``layers`` layers (the worst is the first or the last)."""
     layers = max(1, min(layers, arch.n_layers))
     return max(
         block_memory(arch, s, 0, layers).total, block_memory(arch, s, arch.n_layers - layers, arch.n_layers).total

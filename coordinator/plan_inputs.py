@@ -83,12 +83,14 @@ def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:
 
 
 def hf_model_spec(arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str) -> ModelSpec:
-    """Per-layer memory and cost of a checkpoint (embedding on layer 0, head and logits on the last)."""
+    """Per-layer memory and cost of a checkpoint (embedding on layer 0, head and logits on the last; the last
+    block keeps one micro-batch's activations, the others every one in flight)."""
     per_token = settings.tokens * arch.hidden
     n_b = arch.n_layers - 1
     return ModelSpec(
         layer_cost=mm.layer_costs(arch, settings),
         layer_memory=mm.layer_memory(arch, settings),
+        last_layer_memory=mm.last_layer_memory(arch, settings),
         forward_bytes=(per_token * CODEC_BYTES[wire_forward],) * n_b,
         backward_bytes=(per_token * CODEC_BYTES[wire_backward],) * n_b,
     )

@@ -20,6 +20,7 @@ from coordinator.memory_model import (  # noqa: E402
     Settings,
     block_memory,
     in_flight_layer_bytes,
+    last_layer_memory,
     layer_activation_bytes,
     layer_adapter_bytes,
     layer_flops,
@@ -209,9 +210,13 @@ def test_per_layer_memory_sums_to_blocks_and_puts_the_ends_on_the_end_layers():
     s = Settings(quant="nf4")
     per = layer_memory(arch, s)
     assert per[0] > per[1] == per[40] < per[-1]
-    whole = block_memory(arch, s, 0, arch.n_layers)
-    assert whole.total - sum(per) == pytest.approx(stage_overhead_bytes(arch, s))  # per block, not per layer
-    assert min_memory_for(arch, s, 4) == block_memory(arch, s, 76, 80).total
+    head = block_memory(arch, s, 0, 40)
+    assert head.total - sum(per[:40]) == pytest.approx(stage_overhead_bytes(arch, s))  # per block, not per layer
+    one = replace(s, in_flight=1)  # the last block keeps one micro-batch at a time
+    tail = block_memory(arch, s, 40, 80)
+    assert tail.total - sum(last_layer_memory(arch, s)[40:]) == pytest.approx(stage_overhead_bytes(arch, one))
+    assert tail.activations < block_memory(arch, s, 39, 79).activations
+    assert min_memory_for(arch, s, 4) == max(block_memory(arch, s, 0, 4).total, block_memory(arch, s, 76, 80).total)
     checkpointed = Settings(quant="nf4", activation_checkpointing=True)
     assert layer_flops(arch, checkpointed) > layer_flops(arch, s)
     assert in_flight_layer_bytes(arch, checkpointed) < in_flight_layer_bytes(arch, s) / 10

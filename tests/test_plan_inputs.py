@@ -60,6 +60,7 @@ def test_a_hf_checkpoint_is_planned_from_its_config_by_the_memory_model() -> Non
     spec = model_spec(model, TRAIN, hf)
     arch, settings = mm.Arch.from_path(path), hf_settings(model, TRAIN, hf)
     assert spec.layer_memory == mm.layer_memory(arch, settings)
+    assert spec.last_layer_memory == mm.last_layer_memory(arch, settings) < spec.layer_memory  # one micro-batch
     assert spec.layer_memory[0] > spec.layer_memory[1] < spec.layer_memory[-1]  # embedding, head and logits
     assert spec.layer_cost[:-1] == (1.0,) * 79 and spec.layer_cost[-1] > 1.0  # the head costs compute too
     assert spec.forward_bytes[0] == 4 * 512 * 8192 * (0.5 + 2 / 64)  # int4_rot activations
