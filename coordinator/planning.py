@@ -14,7 +14,7 @@ from coordinator.checkpoint_store import CheckpointStore
 from coordinator.cost_model import ModelSpec, PeerSpec
 from coordinator.membership import Membership, make_plan
 from coordinator.placement import NoFit, PlacementError, Unarrangeable, place
-from coordinator.plan_inputs import model_spec, peer_specs
+from coordinator.plan_inputs import block_overhead, model_spec, peer_specs
 from coordinator.progress import Progress
 from coordinator.run_settings import NoPlanFits, RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
@@ -141,11 +141,13 @@ class Planning:
 
     def layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
         """Blocks, their holders in pipeline order and the predicted micro-batches/s (no side effects)."""
-        spec, peers = model_spec(self.s.model, self.s.train, self.s.hf), peer_specs(records)
+        spec = model_spec(self.s.model, self.s.train, self.s.hf)
+        overhead = block_overhead(self.s.model, self.s.train, self.s.hf)
+        peers = peer_specs(records, overhead=overhead)
         try:
             placed = place(peers, spec, stages=self.s.stages, replicate=self.s.replicate)
         except NoFit as e:
-            raise NoPlanFits(no_fit_message(spec, peers, e)) from None
+            raise NoPlanFits(no_fit_message(spec, peers, e, overhead=overhead)) from None
         except Unarrangeable as e:
             raise RunFailed(f"blocked on reachability: {e}") from None
         except PlacementError as e:
@@ -172,13 +174,18 @@ class Planning:
         )
 
 
-def no_fit_message(spec: ModelSpec, peers: list[PeerSpec], error: NoFit) -> str:
-    """One line naming the limit: the memory the model needs against what each peer offers."""
+def no_fit_message(spec: ModelSpec, peers: list[PeerSpec], error: NoFit, *, overhead: float = 0.0) -> str:
+    """One line naming the limit: the memory the model needs against what each peer offers.
+
+    ``peers`` carry their memory less ``overhead`` (what any block holds whatever its size), so it is added
+    back: a user compares the line with the ``--memory`` they gave.
+    """
     need, per_layer = sum(spec.layer_memory), max(spec.layer_memory)
-    offers = ", ".join(f"{p.peer_id} {format_size(p.free_memory)}" for p in peers)
+    offers = ", ".join(f"{p.peer_id} {format_size(p.free_memory + overhead)}" for p in peers)
     detail = f" ({error})" if str(error).startswith("spare") else ""
+    fixed = f" plus {format_size(overhead)} per block" if overhead else ""
     return (
-        f"no plan fits the peers' memory: the model's {len(spec.layer_memory)} layers need {format_size(need)} "
-        f"(up to {format_size(per_layer)} per layer), the peers offer {offers}{detail}; "
+        f"no plan fits the peers' memory: the model's {len(spec.layer_memory)} layers need {format_size(need)}"
+        f"{fixed} (up to {format_size(per_layer)} per layer), the peers offer {offers}{detail}; "
         "add peers, give them more memory (ravn-peer join --memory), or use --quant int8/nf4"
     )

@@ -1,4 +1,5 @@
-"""Ravn: train transformers across many machines; `ravn local` runs a swarm here, `ravn status` watches one."""
+"""Ravn: train transformers across many machines; `ravn local` runs a swarm here, `ravn status` watches one,
+`ravn plan` predicts whether and how fast a set of PCs can fine-tune a checkpoint."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from rich.live import Live
 from coordinator.local_swarm import run_local
 from coordinator.membership import Membership, MembershipSettings
 from coordinator.options import RunOptions, checked_configs, config_error, with_train_options
+from coordinator.plan_command import plan
 from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import exit_code, status_json, verdict
@@ -204,6 +206,7 @@ def fetch_status(target: str, timeout: float, swarm_token: str = "", tls_fingerp
     return SwarmStatus.from_dict(json.loads(reply.status_json))
 
 
+app.command(name="plan")(plan)
 enable_config(app, sections={"local": "local", "status": "status"})
 
 
