@@ -236,8 +236,8 @@ def plan(
     micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch.")] = 4,
     context: Annotated[int, typer.Option(min=0, help="Tokens per sequence (0: min(512, the model's positions)).")] = 0,
     in_flight: Annotated[int, typer.Option(min=0, help="Micro-batches in flight (0: the runtime default).")] = 0,
-    codec_forward: Annotated[str, typer.Option(help="Wire codec of activations.")] = TrainConfig.wire_forward,
-    codec_backward: Annotated[str, typer.Option(help="Wire codec of gradients.")] = TrainConfig.wire_backward,
+    wire_forward: Annotated[str, typer.Option(help="Wire codec of activations (ravn local's default).")] = "int4_rot",
+    wire_backward: Annotated[str, typer.Option(help="Wire codec of gradients (ravn local's default).")] = "int8",
     activation_checkpointing: Annotated[bool, typer.Option(help="Keep only layer inputs; recompute.")] = False,
     stages: Annotated[int, typer.Option(min=0, help="Pipeline stages (0: one per peer).")] = 0,
     reserve: Annotated[float, typer.Option(min=0, help="GiB kept free on every peer.")] = DEFAULT_RESERVE_GIB,
@@ -248,7 +248,7 @@ def plan(
         if dtype not in mm.DTYPE_BYTES or quant not in BASE_QUANTS:
             raise SpecError(f"--dtype {dtype} --quant {quant}: choose {'/'.join(mm.DTYPE_BYTES)} and "
                             f"{'/'.join(BASE_QUANTS)}")
-        for codec in (codec_forward, codec_backward):
+        for codec in (wire_forward, wire_backward):
             if codec not in CODEC_BYTES:
                 raise SpecError(f"unknown codec {codec!r}; choose {', '.join(CODEC_BYTES)}")
         arch = mm.Arch.from_path(model)
@@ -259,7 +259,7 @@ def plan(
         settings = mm.Settings(dtype=dtype, quant=quant, lora_rank=lora_rank, micro_batch_size=micro_batch_size,
                                context=ctx, in_flight=flight, activation_checkpointing=activation_checkpointing)
         peers = [parse_peer(p) for p in peer]
-        report = plan_report(arch, settings, peers, wire_forward=codec_forward, wire_backward=codec_backward,
+        report = plan_report(arch, settings, peers, wire_forward=wire_forward, wire_backward=wire_backward,
                              stages=stages, reserve=reserve * (1 << 30))
     except PlacementError as exc:
         typer.echo(f"ravn plan: no plan fits: {exc}", err=True)

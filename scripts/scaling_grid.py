@@ -49,7 +49,7 @@ def main() -> None:
             for fwd, bwd in CODECS:
                 cells, sizes = [], []
                 for link in LINKS:
-                    report = run_plan(model, memory, n, link, *extra, "--codec-forward", fwd, "--codec-backward", bwd)
+                    report = run_plan(model, memory, n, link, *extra, "--wire-forward", fwd, "--wire-backward", bwd)
                     cells.append(f"{report['tokens_per_second']:,.0f}")
                     sizes = [b - a for a, b in (r["layers"] for r in report["stages"])]
                 layers = f"{min(sizes)}-{max(sizes)}" if min(sizes) != max(sizes) else str(sizes[0])

@@ -75,7 +75,7 @@ def test_the_plan_respects_every_peers_memory_and_names_its_bottleneck() -> None
 def test_ravn_plan_prints_a_table_and_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     peers = ["--peer", "4GiB,100mbit", "--peer", "4GiB,40mbit/10mbit", "--peer", "8GiB,1000mbit,80tflops"]
-    proc = ravn_plan("--model", str(tmp_path), *peers, "--codec-forward", "int4_rot", "--json")
+    proc = ravn_plan("--model", str(tmp_path), *peers, "--wire-forward", "int4_rot", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert sum(b - a for a, b in (r["layers"] for r in report["stages"])) == 12
