@@ -12,7 +12,7 @@ import uvloop
 from hivemind.p2p import P2PDaemonError
 
 from coordinator.membership import Membership, MembershipSettings
-from coordinator.options import RunOptions, with_train_options
+from coordinator.options import RunOptions, checked_configs, with_train_options
 from coordinator.run_settings import RunSettings, settings_record
 from coordinator.run_state import CoordinatorState, StateError, forget_run, load_state, settings_diff, state_path
 from coordinator.swarm_run import SwarmRun
@@ -92,6 +92,7 @@ def serve(
     and step count from RUNS_DIR/NAME, and the peers, which train on meanwhile, re-attach.
     """
     setup_logging(log_level)
+    model, hf = checked_configs(options)  # a mistake is one line, before the DHT starts or --fresh forgets
     if host in ("0.0.0.0", "::") and not announce:
         raise typer.BadParameter(
             "listening on all interfaces: also pass --announce with the address peers can reach",
@@ -122,7 +123,7 @@ def serve(
         swarm_token=token,
         name=name,
         run_dir=options.runs_dir / name,
-        model=options.model_config(),
+        model=model,
         train=options.train_config(),
         peers=peers,
         stages=options.stages,
@@ -133,10 +134,11 @@ def serve(
         join_timeout=join_timeout,
         model_name=options.model_name,
         swarm=swarm,
-        hf=options.hf_config(),
+        hf=hf,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         tls=identity,
+        wait_for_fit=True,  # peers can still join, or come back offering more memory
     )
     if saved is not None:
         diffs = settings_diff(saved.settings, settings_record(settings))

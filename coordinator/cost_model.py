@@ -16,7 +16,9 @@ Model (one micro-batch, forward and backward together, steady state):
   sum is the conservative reading of "counting both compute time and transfer time".
 * The peer must hold the whole block: ``M(a, b) <= free_memory_p``, where ``layer_memory``
   already counts weights, optimizer state and activations. A block that does not fit takes
-  ``inf`` seconds, so one comparison against a time budget also checks memory.
+  ``inf`` seconds, so one comparison against a time budget also checks memory. The last block may
+  count its layers differently (``last_layer_memory``): it runs forward, loss and backward back to
+  back, so it keeps one micro-batch's activations, not every one in flight.
 
 Replicas of a block split its micro-batches, so the block's rate is the sum of its replicas'
 rates and its time is ``1 / sum(1 / t_p)``.
@@ -81,13 +83,15 @@ class ModelSpec:
     ``PeerSpec.speed``. ``layer_memory[l]``: bytes a holder of layer ``l`` needs (weights,
     optimizer state, activations in flight). ``forward_bytes[i]`` / ``backward_bytes[i]``: bytes per
     micro-batch that cross boundary ``i + 1`` (between layers ``i`` and ``i + 1``) going downstream
-    (activations) and upstream (gradients), after the wire codecs.
+    (activations) and upstream (gradients), after the wire codecs. ``last_layer_memory``: bytes per
+    layer when the layer is in the last block (default: ``layer_memory``).
     """
 
     layer_cost: tuple[float, ...]
     layer_memory: tuple[float, ...]
     forward_bytes: tuple[float, ...]
     backward_bytes: tuple[float, ...]
+    last_layer_memory: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         cost = tuple(_finite_pos(f"layer_cost[{i}]", c) for i, c in enumerate(self.layer_cost))
@@ -105,6 +109,11 @@ class ModelSpec:
         object.__setattr__(self, "layer_memory", mem)
         object.__setattr__(self, "forward_bytes", fwd)
         object.__setattr__(self, "backward_bytes", bwd)
+        if self.last_layer_memory is not None:
+            last = tuple(_finite_nonneg(f"last_layer_memory[{i}]", m) for i, m in enumerate(self.last_layer_memory))
+            if len(last) != n:
+                raise ValueError(f"last_layer_memory has {len(last)} entries for {n} layers")
+            object.__setattr__(self, "last_layer_memory", last)
 
     @property
     def n_layers(self) -> int:
@@ -149,6 +158,7 @@ class CostModel:
         self.memory = np.array([p.free_memory for p in self.peers], dtype=np.float64)
         self.cost_cum = np.concatenate(([0.0], np.cumsum(model.layer_cost)))
         self.mem_cum = np.concatenate(([0.0], np.cumsum(model.layer_memory)))
+        self.last_cum = np.concatenate(([0.0], np.cumsum(model.last_layer_memory or model.layer_memory)))
         # Boundary arrays indexed 0..L; the pipeline's two ends carry nothing.
         self.fwd = np.concatenate(([0.0], model.forward_bytes, [0.0]))
         self.bwd = np.concatenate(([0.0], model.backward_bytes, [0.0]))
@@ -162,7 +172,8 @@ class CostModel:
             + self.inv_down[idx] * (self.fwd[a] + self.bwd[b])
             + self.inv_up[idx] * (self.fwd[b] + self.bwd[a])
         )
-        fits = (b > a) & (self.memory[idx] >= self.mem_cum[b] - self.mem_cum[a])
+        need = np.where(b == self.n_layers, self.last_cum[b] - self.last_cum[a], self.mem_cum[b] - self.mem_cum[a])
+        fits = (b > a) & (self.memory[idx] >= need)
         return np.where(fits, t, np.inf)
 
     def stage_time(self, idx: Sequence[int] | np.ndarray, a: int, b: int) -> float:

@@ -94,6 +94,7 @@ async def run_local(
     slow_stage: str = "",
     poison_peer: str = "",
     crash_at_checkpoint: str = "",
+    peer_memory: str = "",
 ) -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
@@ -106,6 +107,7 @@ async def run_local(
     )
     run.progress.message(f"watch it: RAVN_SWARM_TOKEN=$(cat {token_file}) ravn status --coordinator 127.0.0.1:{port}")
     join_args = ["--swarm", settings.swarm, "--coordinator-key", membership.public_key, "--heartbeat", str(heartbeat)]
+    join_args += ["--memory", peer_memory] if peer_memory else []
     for maddr in membership.maddrs():
         join_args += ["--initial-peers", maddr]
     loop = asyncio.get_running_loop()
@@ -144,7 +146,8 @@ async def run_local(
         if watcher is not None:
             watcher.cancel()
         await run.stop_server()
-        await asyncio.to_thread(stop_processes, peers)
+        # peers that never trained (no plan fitted them) wait for one: nothing to let them finish
+        await asyncio.to_thread(stop_processes, peers, 15.0 if run.flow.started else 1.0)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return code

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -64,10 +64,13 @@ class RunOptions:
         return self.model not in MODEL_PRESETS
 
     def model_config(self) -> ModelConfig:
+        """The model's sizes; a checkpoint's default context is 512, or its positions if fewer."""
         if self.is_checkpoint:
             from swarm.train.hf import hf_model_config
+            from swarm.train.hf.checkpoint_check import default_context
 
-            return ModelConfig(**{**hf_model_config(self.model, self.context or 512).__dict__, "seed": self.seed})
+            context = self.context or default_context(self.model)
+            return ModelConfig(**{**hf_model_config(self.model, context).__dict__, "seed": self.seed})
         cfg = MODEL_PRESETS[self.model]
         return ModelConfig(**{**cfg.__dict__, "seed": self.seed, "context": self.context or cfg.context})
 
@@ -87,7 +90,6 @@ class RunOptions:
             )
         from swarm.train.stage_factory import config_sha256
 
-        targets = tuple(t for t in self.lora_targets.replace(",", " ").split() if t)
         return HFConfig(
             path=str(Path(self.model).expanduser().resolve()),
             dtype=self.dtype,
@@ -95,9 +97,13 @@ class RunOptions:
             activation_checkpointing=self.activation_checkpointing,
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
-            lora_targets=targets,
+            lora_targets=self.lora_target_names,
             config_sha256=config_sha256(self.model),
         )
+
+    @property
+    def lora_target_names(self) -> tuple[str, ...]:
+        return tuple(t for t in self.lora_targets.replace(",", " ").split() if t)
 
     @property
     def model_name(self) -> str:
@@ -137,10 +143,33 @@ class RunOptions:
         return self.name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
 
 
+def config_error(message: str, code: int = 2) -> NoReturn:
+    """A configuration mistake: one ``error:`` line on stderr and a non-zero exit, never a traceback."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def checked_configs(options: RunOptions) -> tuple[ModelConfig, HFConfig | None]:
+    """The run's model and checkpoint configs, after the checkpoint preflight (``checkpoint_check.py``).
+
+    Called before anything starts (DHT, peers, a saved run forgotten): a checkpoint that cannot be
+    trained, or options it cannot take (a context beyond its positions), end the command with one line.
+    """
+    try:
+        if options.is_checkpoint:
+            from swarm.train.hf.checkpoint_check import check_checkpoint, check_lora_targets
+
+            check_checkpoint(options.model)
+            check_lora_targets(options.model, options.lora_target_names)
+        return options.model_config(), options.hf_config()
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError; typer.BadParameter passes through
+        config_error(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
 def _check_model(value: str) -> str:
     if value in MODEL_PRESETS:
         return value
-    if (Path(value).expanduser() / "config.json").is_file():
+    if Path(value).expanduser().is_dir():  # the checkpoint preflight names what is wrong with it
         return value
     raise typer.BadParameter(
         f"{value!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a Hugging Face "
@@ -274,7 +303,10 @@ def _train_params(
         ),
     ] = False,
     context: Annotated[
-        int, typer.Option(min=0, help="Tokens per sequence (0: the preset's, or 512 for checkpoints).")
+        int,
+        typer.Option(
+            min=0, help="Tokens per sequence (0: the preset's; for checkpoints 512, or their positions if fewer)."
+        ),
     ] = 0,
     name: Annotated[
         str, typer.Option(help="Run name; artefacts go to RUNS_DIR/NAME (default: a timestamp).", callback=_check_name)

@@ -4,12 +4,17 @@ Placement (``coordinator/placement.py``) works on a cost model in seconds per mi
 Ravn's real numbers are mapped onto it: a peer's measured layer throughput (forward+backward of one layer
 on one micro-batch), its memory, its link and whether it accepts connections, and per layer the memory
 and the bytes each boundary carries per micro-batch after the wire codecs.
+
+For a Hugging Face checkpoint the per-layer numbers come from ``coordinator/memory_model.py``, read from
+its ``config.json``, the same arithmetic ``ravn plan`` uses for hypothetical peers, so what the command
+promises is what the runtime plans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from coordinator import memory_model as mm
 from coordinator.cost_model import ModelSpec, PeerSpec
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.dht.schema import PeerRecord
@@ -28,16 +33,18 @@ MIN_SPEED = 1e-3
 MIN_BANDWIDTH = 1e3
 
 
-def peer_specs(records: Sequence[PeerRecord]) -> list[PeerSpec]:
+def peer_specs(records: Sequence[PeerRecord], *, overhead: float = 0.0) -> list[PeerSpec]:
     """Measured claims as placement input; a peer that measured nothing still gets a tiny positive rate.
 
     The raw measurements go in: placement itself decides what is measurement noise (``placement.steady``).
+    ``overhead`` (``block_overhead``) is what any block costs whatever its size, taken off each peer's memory
+    because placement's memory is a sum over layers.
     """
     return [
         PeerSpec(
             peer_id=r.peer_id,
             speed=max(r.throughput_layers_per_s, MIN_SPEED),
-            free_memory=float(r.free_memory_bytes),
+            free_memory=max(float(r.free_memory_bytes) - overhead, 0.0),
             upload=max(r.bandwidth_up_bytes_per_s, MIN_BANDWIDTH),
             download=max(r.bandwidth_down_bytes_per_s, MIN_BANDWIDTH),
             reachable=r.reachable is not False,
@@ -46,15 +53,58 @@ def peer_specs(records: Sequence[PeerRecord]) -> list[PeerSpec]:
     ]
 
 
+def hf_settings(model: ModelConfig, train: TrainConfig, hf: HFConfig) -> mm.Settings:
+    """The memory model's view of a LoRA run: sequence length from the run's ``ModelConfig``."""
+    return mm.Settings(
+        dtype=hf.dtype,
+        quant=hf.quant,
+        lora_rank=hf.lora_rank,
+        lora_targets=tuple(hf.lora_targets),
+        micro_batch_size=train.micro_batch_size,
+        context=model.context,
+        in_flight=train.in_flight_limit,
+        activation_checkpointing=hf.activation_checkpointing,
+    )
+
+
+def block_overhead(model: ModelConfig, train: TrainConfig, hf: HFConfig | None) -> float:
+    """Bytes every HF block holds whatever its size (``memory_model.stage_overhead_bytes``); 0 for the GPT."""
+    return 0.0 if hf is None else mm.stage_overhead_bytes(hf_arch(model, hf), hf_settings(model, train, hf))
+
+
+def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:
+    """The checkpoint's own sizes; a path without a readable ``config.json`` is sized as a GPT-2 of the
+    run's widths, so planning never fails on a config the peers will read themselves."""
+    try:
+        return mm.Arch.from_path(hf.path)
+    except ValueError:
+        gpt2 = {"n_embd": model.d_model, "n_head": model.n_heads, "n_layer": model.n_layers}
+        return mm.Arch.from_config({"model_type": "gpt2", **gpt2, "vocab_size": model.vocab_size})
+
+
+def hf_model_spec(arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str) -> ModelSpec:
+    """Per-layer memory and cost of a checkpoint (embedding on layer 0, head and logits on the last; the last
+    block keeps one micro-batch's activations, the others every one in flight)."""
+    per_token = settings.tokens * arch.hidden
+    n_b = arch.n_layers - 1
+    return ModelSpec(
+        layer_cost=mm.layer_costs(arch, settings),
+        layer_memory=mm.layer_memory(arch, settings),
+        last_layer_memory=mm.last_layer_memory(arch, settings),
+        forward_bytes=(per_token * CODEC_BYTES[wire_forward],) * n_b,
+        backward_bytes=(per_token * CODEC_BYTES[wire_backward],) * n_b,
+    )
+
+
 def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = None) -> ModelSpec:
-    """Identical layers: compute 1 unit each; memory for weights, optimizer and activations in flight."""
+    """The built-in GPT: identical layers of 1 unit each, fp32 weights, gradients, AdamW and activations
+    in flight (a rough count); a HF checkpoint: the memory model on its ``config.json``."""
+    if hf is not None:
+        arch = hf_arch(model, hf)
+        return hf_model_spec(arch, hf_settings(model, train, hf), train.wire_forward, train.wire_backward)
     d, tokens = model.d_model, train.micro_batch_size * model.context
     params = 12 * d * d  # attention (4 d^2) + MLP (8 d^2) per layer
-    if hf is None:
-        weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
-    else:
-        per_param = {"int8": 1, "nf4": 0.5}.get(hf.quant, 4 if hf.dtype == "fp32" else 2)
-        weights = params * per_param  # frozen base; adapters are tiny
+    weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
     activations = tokens * d * ACTIVATION_TENSORS_PER_LAYER * 4 * train.in_flight_limit
     return ModelSpec.uniform(
         model.n_layers,

@@ -11,11 +11,12 @@ DHT is ``roster.Roster.publish``'s job.
 from __future__ import annotations
 
 from coordinator.checkpoint_store import CheckpointStore
+from coordinator.cost_model import ModelSpec, PeerSpec
 from coordinator.membership import Membership, make_plan
-from coordinator.placement import PlacementError, Unarrangeable, place
-from coordinator.plan_inputs import model_spec, peer_specs
+from coordinator.placement import NoFit, PlacementError, Unarrangeable, place
+from coordinator.plan_inputs import block_overhead, model_spec, peer_specs
 from coordinator.progress import Progress
-from coordinator.run_settings import RunFailed, RunSettings
+from coordinator.run_settings import NoPlanFits, RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
 from swarm.dht.plan_view import plan_view
 from swarm.dht.records import seal_plan
@@ -23,6 +24,7 @@ from swarm.dht.schema import PeerRecord, Plan
 from swarm.messages import hf_to_pb, model_to_pb, train_to_pb
 from swarm.pb import control_pb2 as cpb
 from swarm.security.identity import plan_keys
+from swarm.sizes import format_size
 from swarm.train.measure import planned_layer
 
 Stages = list[tuple[int, int, list[tuple[str, str]]]]  # (layer_start, layer_end, [(peer id, endpoint)])
@@ -140,14 +142,22 @@ class Planning:
     def layout(self, records: list[PeerRecord]) -> tuple[list[tuple[int, int]], list[list[str]], float]:
         """Blocks, their holders in pipeline order and the predicted micro-batches/s (no side effects)."""
         spec = model_spec(self.s.model, self.s.train, self.s.hf)
+        overhead = block_overhead(self.s.model, self.s.train, self.s.hf)
+        peers = peer_specs(records, overhead=overhead)
         try:
-            placed = place(peer_specs(records), spec, stages=self.s.stages, replicate=self.s.replicate)
+            placed = place(peers, spec, stages=self.s.stages, replicate=self.s.replicate)
+        except NoFit as e:
+            raise NoPlanFits(no_fit_message(spec, peers, e, overhead=overhead)) from None
         except Unarrangeable as e:
             raise RunFailed(f"blocked on reachability: {e}") from None
         except PlacementError as e:
             raise RunFailed(f"no plan fits these peers: {e}") from None
         blocks = [(b.layer_start, b.layer_end) for b in placed.blocks]
         return blocks, [list(b.peer_ids) for b in placed.blocks], placed.throughput
+
+    def holds_a_layer(self, record: PeerRecord) -> bool:
+        """Does this peer offer the memory of the smallest layer? (One that does not can be in no plan.)"""
+        return record.free_memory_bytes >= min(model_spec(self.s.model, self.s.train, self.s.hf).layer_memory)
 
     def assignment(self, peer_id: str) -> cpb.Assignment:
         """The configs and restore point for ``peer_id``, with the sealed plan it derives its place from."""
@@ -162,3 +172,20 @@ class Planning:
             epoch=self.store.epoch,
             plan=cpb.SignedPlan(body=sealed["body"], sig=sealed["sig"]),
         )
+
+
+def no_fit_message(spec: ModelSpec, peers: list[PeerSpec], error: NoFit, *, overhead: float = 0.0) -> str:
+    """One line naming the limit: the memory the model needs against what each peer offers.
+
+    ``peers`` carry their memory less ``overhead`` (what any block holds whatever its size), so it is added
+    back: a user compares the line with the ``--memory`` they gave.
+    """
+    need, per_layer = sum(spec.layer_memory), max(spec.layer_memory)
+    offers = ", ".join(f"{p.peer_id} {format_size(p.free_memory + overhead)}" for p in peers)
+    detail = f" ({error})" if str(error).startswith("spare") else ""
+    fixed = f" plus {format_size(overhead)} per block" if overhead else ""
+    return (
+        f"no plan fits the peers' memory: the model's {len(spec.layer_memory)} layers need {format_size(need)}"
+        f"{fixed} (up to {format_size(per_layer)} per layer), the peers offer {offers}{detail}; "
+        "add peers, give them more memory (ravn-peer join --memory), or use --quant int8/nf4"
+    )

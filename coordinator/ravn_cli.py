@@ -1,4 +1,5 @@
-"""Ravn: train transformers across many machines; `ravn local` runs a swarm here, `ravn status` watches one."""
+"""Ravn: train transformers across many machines; `ravn local` runs a swarm here, `ravn status` watches one,
+`ravn plan` predicts whether and how fast a set of PCs can fine-tune a checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import grpc
@@ -19,7 +21,8 @@ from rich.live import Live
 
 from coordinator.local_swarm import run_local
 from coordinator.membership import Membership, MembershipSettings
-from coordinator.options import RunOptions, with_train_options
+from coordinator.options import RunOptions, checked_configs, config_error, with_train_options
+from coordinator.plan_command import plan
 from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import exit_code, status_json, verdict
@@ -31,6 +34,7 @@ from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.security.auth import COORDINATOR_AUDIENCE, generate_token, sync_channel
 from swarm.security.tls import dial_pinned_sync, normalise_fingerprint, speaks_tls
+from swarm.sizes import parse_size
 from swarm.wire.transport import GRPC_OPTIONS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -48,6 +52,13 @@ def local(
     peers: Annotated[int, typer.Option(min=1, help="Peer processes to start (one pipeline stage each).")] = 3,
     threads: Annotated[int, typer.Option(min=0, help="Compute threads per peer (0: cores / peers).")] = 0,
     device: Annotated[str, typer.Option(help="'auto' (CUDA when present), 'cpu' or 'cuda'.")] = "auto",
+    peer_memory: Annotated[
+        str,
+        typer.Option(
+            help="The most memory each peer offers, e.g. 4GiB (ravn-peer join --memory; default: what it measures "
+            "free). A model that does not fit ends the run with the memory needed and offered.",
+        ),
+    ] = "",
     heartbeat: Annotated[float, typer.Option(min=0.2, help="Seconds between DHT announcements.")] = 2.0,
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="Serve the coordinator's Prometheus metrics on this port.")
@@ -66,7 +77,15 @@ def local(
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
     setup_logging(log_level)
-    model = options.model_config()
+    model, hf = checked_configs(options)  # a mistake is one line, before any process starts
+    if options.data != "stdlib" and not Path(options.data).expanduser().exists():  # the peers read it here
+        config_error(f"--data {options.data}: no such file or folder")
+    if peer_memory:
+        try:
+            if parse_size(peer_memory) <= 0:
+                raise ValueError("must be more than 0 bytes")
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--peer-memory") from None
     if peers > model.n_layers:
         raise typer.BadParameter(
             f"{options.model} has {model.n_layers} layers; use at most that many peers", param_hint="--peers"
@@ -84,7 +103,7 @@ def local(
         replicate=options.replicate,
         model_name=options.model_name,
         swarm=swarm,
-        hf=options.hf_config(),
+        hf=hf,
         metrics_port=metrics_port,
         swarm_token=generate_token(),  # one per run; peers get it in their environment
     )
@@ -103,6 +122,7 @@ def local(
                 slow_stage=debug_slow_stage,
                 poison_peer=debug_poison_peer,
                 crash_at_checkpoint=debug_crash_at_checkpoint,
+                peer_memory=peer_memory,
             )
         )
     finally:
@@ -186,6 +206,7 @@ def fetch_status(target: str, timeout: float, swarm_token: str = "", tls_fingerp
     return SwarmStatus.from_dict(json.loads(reply.status_json))
 
 
+app.command(name="plan")(plan)
 enable_config(app, sections={"local": "local", "status": "status"})
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from coordinator.membership import Membership
 from coordinator.planning import Planning
@@ -86,6 +87,24 @@ class Roster:
                     f"within {self.s.join_timeout:.0f} s"
                 )
             await self.flow.tick(self.membership.s.heartbeat)
+
+    async def gather_more(
+        self, tried: list[PeerRecord], why: str, usable: Callable[[PeerRecord], bool]
+    ) -> list[PeerRecord]:
+        """After a first plan did not fit: wait until a peer joins or one announces other memory, then take
+        every live peer that is ``usable`` (can hold a layer), at least ``--peers`` of them; RunFailed with
+        ``why`` at the join deadline."""
+        deadline = time.monotonic() + self.s.join_timeout
+        before = {(r.peer_id, r.free_memory_bytes) for r in tried}
+        while True:
+            await self.flow.tick(self.membership.s.heartbeat)
+            live = [r for r in await self.membership.peers() if r.state != "leaving"]
+            fit = [r for r in live if usable(r)]
+            if len(fit) >= self.s.peers and {(r.peer_id, r.free_memory_bytes) for r in live} != before:
+                self.progress.message(f"{len(fit)} peers in swarm {self.s.swarm!r} can hold a layer: planning again")
+                return sorted(fit, key=lambda r: r.peer_id)
+            if time.monotonic() > deadline:
+                raise RunFailed(f"{why} (waited {self.s.join_timeout:.0f} s for more peers)")
 
     def consider_joins(self, records: dict[str, PeerRecord]) -> None:
         """A new peer during training: re-plan if it predicts enough throughput gain (hysteresis)."""

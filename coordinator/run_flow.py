@@ -44,6 +44,7 @@ class RunFlow:
         self.incident = ""  # what the swarm is recovering from: `ravn status` says degraded until it trains again
         self.incident_layers: tuple[int, int] | None = None
         self.incident_ends_at_step = False  # set once training restarted: the next step report clears it
+        self.waiting = ""  # why the first plan waits for more peers (it did not fit their memory)
 
     def enter(self, phase: Phase) -> None:
         """Move to ``phase`` (logged, so that a log shows where a run was when something happened)."""

@@ -18,6 +18,10 @@ class RunFailed(RuntimeError):
     """The run cannot go on; the message says why, for the person watching."""
 
 
+class NoPlanFits(RunFailed):
+    """The peers, all together, do not offer the memory the model needs; the message names both."""
+
+
 @dataclass
 class RunSettings:
     name: str
@@ -40,6 +44,9 @@ class RunSettings:
     stages: int = 0  # pipeline stages (0: one per peer); spare peers become replicas
     replicate: int = -1  # the stage that gets the replicas (-1: the slowest predicted)
     tls: tls.TlsIdentity | None = None  # Control speaks TLS with this certificate, pinned by the signed plan
+    # a first plan that does not fit the peers' memory: wait for more peers or memory (serve), or fail at once
+    # (ravn local, whose peers are all there from the start)
+    wait_for_fit: bool = False
 
 
 def settings_record(s: RunSettings) -> dict:

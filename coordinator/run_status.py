@@ -77,6 +77,7 @@ def swarm_status(
         loss_history=tuple(v for _, v in record.train_losses[-120:]),
         heartbeat_s=heartbeat_s,
         max_staleness=s.train.staleness_bound,
+        waiting=flow.waiting,
         **flow.trouble(bool(s.train.checkpoint_every)),
     )
     excluded = tuple(ExcludedPeer(name=p, reason=why) for p, why in sessions.excluded.items())

@@ -18,7 +18,7 @@ renamed); :meth:`SwarmStatus.to_dict` is the same without ``verdict`` and the de
                                "block": [a, b] | null, "peer": str | null}]},
      "run": {"name", "step", "total_steps", "loss", "val_loss", "tokens_per_s", "eta_s",
              "wire_bytes_per_token", "loss_history": [float], "heartbeat_s", "max_staleness", "failure",
-             "recovering", "recovering_layers": [a, b] | null},
+             "recovering", "recovering_layers": [a, b] | null, "waiting": str},
      "peers": [{"name", "device", "block": [a, b], "state", "tokens_per_s", "up_mbit_s", "down_mbit_s",
                 "staleness_counts": [int], "staleness_p50", "staleness_p99", "heartbeat_age_s",
                 "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction"}],
@@ -65,6 +65,7 @@ class RunStatus:
     failure: str = ""  # why the run failed, if it did
     recovering: str = ""  # what the coordinator is recovering from, while it does (e.g. "lost peer p2 (...)")
     recovering_layers: Block | None = None  # the block that lost its peer, when one did
+    waiting: str = ""  # why there is no plan yet beyond peers still to come (the first did not fit their memory)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ class SwarmStatus:
                 failure=run.text("failure", default=""),
                 recovering=run.text("recovering", default=""),
                 recovering_layers=run.optional_block("recovering_layers"),
+                waiting=run.text("waiting", default=""),
             ),
             peers=tuple(
                 PeerStatus(

@@ -77,7 +77,7 @@ def verdict(status: SwarmStatus) -> Verdict:
     for gap in _gaps([b.layers for b in status.blocks]):
         broken.append(Problem("broken", f"layers {layers_text(gap)} are in no block of the plan", block=gap))
     if not status.blocks and not run.failure:
-        degraded.append(Problem("degraded", "no plan yet: waiting for peers to join"))
+        degraded.append(Problem("degraded", f"no plan yet: {run.waiting or 'waiting for peers to join'}"))
     silent_after = SILENT_HEARTBEATS * run.heartbeat_s
     silent, rising, stale = [], [], []  # degraded problems, most urgent kind first
     for p in status.peers:

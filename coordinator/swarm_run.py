@@ -27,12 +27,13 @@ from coordinator.reports import ReportIntake
 from coordinator.roster import Roster
 from coordinator.run_flow import Phase, RunFlow
 from coordinator.run_record import RunRecord
-from coordinator.run_settings import RunFailed, RunSettings
+from coordinator.run_settings import NoPlanFits, RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
 from coordinator.run_status import swarm_status
 from coordinator.sessions import Sessions
 from coordinator.status_data import SwarmStatus
 from swarm.dht.multiaddrs import grpc_target_to_multiaddr
+from swarm.dht.schema import Plan
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 from swarm.security import auth, limits, tls
@@ -180,10 +181,10 @@ class SwarmRun:
                 flow.enter(Phase.GATHERING)
                 # the swarm exists: come in
                 await roster.publish(self.planning.publishable([(0, s.model.n_layers, [])]))
-                records = await roster.gather()
+                plan = await self._first_plan(await roster.gather())
                 flow.enter(Phase.PLANNING)
                 self.store.begin_epoch(0)  # checkpoints left in this folder by another run are not ours
-                await roster.publish(self.planning.plan_for(records))
+                await roster.publish(plan)
                 self.progress.message("plan: " + self.planning.describe())
                 for peer_id, (a, b, _) in self.planning.planned.items():
                     record.artifacts.log("assign", peer=peer_id, layers=[a, b])
@@ -223,6 +224,21 @@ class SwarmRun:
         record.write_summary(list(self.sessions.peers.values()))
         record.write_plot()
         return code
+
+    async def _first_plan(self, records: list) -> Plan:
+        """The first plan; one that does not fit the peers' memory waits for more (serve) or ends the run."""
+        while True:
+            try:
+                plan = self.planning.plan_for(records)
+                self.flow.waiting = ""
+                return plan
+            except NoPlanFits as e:
+                if not self.s.wait_for_fit:
+                    raise
+                if self.flow.waiting != str(e):
+                    self.progress.message(f"waiting for more peers or memory: {e}")
+                self.flow.waiting = str(e)
+                records = await self.roster.gather_more(records, str(e), self.planning.holds_a_layer)
 
     async def _train(self, *, adopted: bool) -> None:
         """Start training (or follow a swarm that trained on while we were away) until the last step,

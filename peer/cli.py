@@ -20,6 +20,7 @@ from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
 from swarm.security.auth import parse_token
 from swarm.security.tls import TlsError, TlsIdentity, identity_from_options
+from swarm.sizes import parse_size
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 DEFAULT_CONFIG = Path("~/.config/ravn/peer.toml").expanduser()
@@ -38,6 +39,18 @@ def _slow_stage(spec: str) -> tuple[int, float] | None:
         return int(stage), float(seconds)
     except ValueError:
         raise typer.BadParameter("expected STAGE=SECONDS", param_hint="--debug-slow-stage") from None
+
+
+def _memory(spec: str) -> int:
+    if not spec:
+        return 0
+    try:
+        size = parse_size(spec)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--memory") from None
+    if size <= 0:
+        raise typer.BadParameter("must be more than 0 bytes", param_hint="--memory")
+    return size
 
 
 def _crash_at(spec: str) -> tuple[int, int] | None:
@@ -87,6 +100,13 @@ def join(
     ] = "",
     device: Annotated[str, typer.Option(help="'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'.")] = "auto",
     threads: Annotated[int, typer.Option(min=0, help="CPU threads for compute (0: torch's default).")] = 0,
+    memory: Annotated[
+        str,
+        typer.Option(
+            help="The most memory this peer offers the swarm, e.g. 20GiB (default: all it measures free "
+            "on --device); announced instead of the measured free memory when smaller.",
+        ),
+    ] = "",
     heartbeat: Annotated[
         float, typer.Option(min=0.2, help="Seconds between DHT announcements (the record expires after 3).")
     ] = 5.0,
@@ -165,6 +185,7 @@ def join(
     if debug_poison not in ("", *POISON_MODES):
         raise typer.BadParameter(f"use one of {', '.join(POISON_MODES)}", param_hint="--debug-poison")
     identity = _tls_identity(tls, tls_cert, tls_key)
+    memory_limit = _memory(memory)
     peer_id = name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, prefix=f"[{peer_id}] ")
     try:
@@ -189,6 +210,7 @@ def join(
         announce=announce,
         device=device,
         threads=threads,
+        memory_limit=memory_limit,
         step_timeout=step_timeout,
         coordinator_grace=coordinator_grace,
         swarm_token=swarm_token,

@@ -202,7 +202,7 @@ class PeerDaemon:
             peer_id=self.peer_id,
             endpoint=self.endpoint,
             device=device_name(self.device),
-            free_memory_bytes=free_memory_bytes(self.device),
+            free_memory_bytes=self.settings.offered_memory(free_memory_bytes(self.device)),
             throughput_layers_per_s=throughput,
             bandwidth_up_bytes_per_s=up,
             bandwidth_down_bytes_per_s=down,

@@ -154,7 +154,7 @@ class Session:
             endpoint=self.endpoint,
             protocol_version=PROTOCOL_VERSION,
             device=self.device,
-            free_memory=free_memory_bytes(self.device),
+            free_memory=self.settings.offered_memory(free_memory_bytes(self.device)),
             software_version=SOFTWARE_VERSION,
         )
         claim = self._claim() if resuming else None

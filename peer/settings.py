@@ -30,6 +30,7 @@ class PeerSettings:
     status_every: float = 10.0  # seconds between the one-line live status in the log
     leave_timeout: float = 60.0  # how long a graceful leave waits for the coordinator to take the block
     coordinator_grace: float = 60.0  # how long to train on and redial when the coordinator is gone (0: exit at once)
+    memory_limit: int = 0  # the most memory (bytes) this peer offers the plan (0: what it measures free)
     hf_path: str = ""  # where this peer keeps the Hugging Face checkpoint, if not where the coordinator says
     metrics_port: int | None = None  # Prometheus endpoint (None: off)
     metrics_host: str = "127.0.0.1"
@@ -40,6 +41,10 @@ class PeerSettings:
     coordinator_key: str = ""
     swarm: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+
+    def offered_memory(self, measured_free: int) -> int:
+        """The memory this peer announces: what it measured free, or ``--memory`` when that is smaller."""
+        return min(measured_free, self.memory_limit) if self.memory_limit else measured_free
 
     def resolved_device(self) -> str:
         if self.device == "auto":

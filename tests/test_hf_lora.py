@@ -103,10 +103,10 @@ def test_adapters_start_as_identity_and_are_the_only_trainable_tensors(checkpoin
             assert torch.equal(t, sd[name])
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_training_lowers_the_loss_and_changes_only_adapters(checkpoints, corpus, int8):
+@pytest.mark.parametrize("quant", ["none", "int8", "nf4"])
+def test_training_lowers_the_loss_and_changes_only_adapters(checkpoints, corpus, quant):
     torch.manual_seed(0)
-    blocks = stages(checkpoints["llama"], lora_rank=8, lora_alpha=16, quant="int8" if int8 else "none")
+    blocks = stages(checkpoints["llama"], lora_rank=8, lora_alpha=16, quant=quant)
     frozen = [{k: v.clone() for k, v in b.state_dict().items() if "lora_" not in k} for b in blocks]
     before = [b.trainable_state_dict() for b in blocks]
     params = [p for b in blocks for p in b.parameters() if p.requires_grad]

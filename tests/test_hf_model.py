@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import swarm.train.hf.loader as loader  # noqa: E402
 from swarm.train.hf import HFStageModel, hf_model_config  # noqa: E402
+from swarm.train.hf.checkpoint_check import CheckpointError  # noqa: E402
 from swarm.train.hf.tiny import ARCHS, make_tiny_checkpoint  # noqa: E402
 
 SPLIT = [(0, 1), (1, 3), (3, 4)]
@@ -171,7 +172,7 @@ def test_unsupported_architecture_is_refused(checkpoints, tmp_path):
     config["model_type"] = "gemma"
     config["architectures"] = ["GemmaForCausalLM"]
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotImplementedError, match="not supported"):
+    with pytest.raises(CheckpointError, match="'gemma' is not supported"):
         HFStageModel(bad, 0, 1)
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
         HFStageModel(tmp_path, 0, 1)

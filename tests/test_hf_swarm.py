@@ -7,6 +7,7 @@ swarm reported.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -140,3 +141,46 @@ def test_weight_stashing_in_a_lora_run_stashes_only_adapters(tmp_path: Path) -> 
     assert stages[0]["stash_bytes_peak"] > 0, stages  # the first stage's micro-batches did go stale
     for s in stages:  # at most S + 1 versions of the adapters, never the frozen base
         assert s["stash_bytes_peak"] <= 2 * adapter_bytes, (s, adapter_bytes)
+
+
+def test_an_nf4_checkpointed_lora_run_finishes_and_saves_an_adapter(tmp_path: Path) -> None:
+    """The NF4 base and activation checkpointing through real peers: flags, protocol, stage factory, measuring."""
+    ckpt, data = _checkpoint_and_data(tmp_path)
+    run_ravn_local(
+        tmp_path,
+        "nf4",
+        "--peers",
+        "2",
+        "--model",
+        str(ckpt),
+        "--finetune",
+        "lora",
+        "--lora-rank",
+        "4",
+        "--dtype",
+        "bf16",
+        "--quant",
+        "nf4",
+        "--activation-checkpointing",
+        "--data",
+        str(data),
+        "--context",
+        str(CONTEXT),
+        "--micro-batch-size",
+        str(MBS),
+        "--steps",
+        "6",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        timeout=120,
+    )
+    run = tmp_path / "nf4"
+    losses = [m["loss"] for m in read_metrics(run) if m["kind"] == "step"]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses), losses
+    base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, run / "adapter")
+    assert any(n.endswith("lora_B.default.weight") for n, _ in model.named_parameters())

@@ -106,6 +106,28 @@ def test_a_checkpoint_run_is_measured_on_one_layer_of_the_checkpoint(
     assert not reads, "measuring read the checkpoint's weights"
 
 
+def test_an_nf4_checkpointed_run_is_measured_with_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    import torch.utils.checkpoint
+
+    from swarm.train.hf.nf4 import NF4Linear
+    from swarm.train.hf.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama", hidden=48)
+    hf = HFConfig(path=str(ckpt), dtype="bf16", quant="nf4", lora_rank=4, activation_checkpointing=True)
+    model = ModelConfig(n_layers=4, d_model=48, n_heads=4, vocab_size=320, context=16)
+    plan = published_plan(tmp_path / "run", model, TrainConfig(micro_batch_size=2), model_name="hf:llama", hf=hf)
+    assert plan.layer.hf_quant == "nf4" and plan.layer.activation_checkpointing
+    nf4: list = []
+    spy(monkeypatch, NF4Linear, nf4)
+    recomputed: list = []
+    original = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: recomputed.append(1) or original(*a, **k))
+    assert measured_by_peer(plan, monkeypatch) > 0
+    assert nf4, "the NF4 base was not measured"
+    assert recomputed, "activation checkpointing was not measured"
+
+
 def test_the_fastest_of_a_few_repeats_is_kept() -> None:
     """Interference (another process on a shared core) only ever slows a repeat down."""
     clock = [0.0]

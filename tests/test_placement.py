@@ -295,3 +295,19 @@ def test_large_swarms_are_placed_quickly() -> None:
     result = place(peers, spec)
     assert time.perf_counter() - start < 5.0
     check(result, peers, spec)
+
+
+def test_the_last_block_may_count_its_layers_differently() -> None:
+    """The last stage keeps one micro-batch's activations (forward, loss and backward back to back), so a
+    peer too small for any other block can still hold the tail."""
+    uniform = ModelSpec.uniform(4, layer_memory=10.0, boundary_bytes=0.0)
+    light_tail = ModelSpec(
+        uniform.layer_cost, uniform.layer_memory, uniform.forward_bytes, uniform.backward_bytes, (4.0,) * 4
+    )
+    peers = [PeerSpec("big", 1.0, 20.0, 1e9, 1e9), PeerSpec("small", 1.0, 8.0, 1e9, 1e9)]
+    with pytest.raises(NoFit):
+        place(peers, uniform)
+    result = place(peers, light_tail)
+    assert sizes_of(result) == [2, 2] and result.blocks[-1].peer_ids == ("small",)
+    with pytest.raises(ValueError, match="last_layer_memory has 3 entries"):
+        ModelSpec(uniform.layer_cost, uniform.layer_memory, uniform.forward_bytes, uniform.backward_bytes, (1.0,) * 3)

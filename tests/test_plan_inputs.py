@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from coordinator.plan_inputs import model_spec, peer_specs
+from coordinator.plan_inputs import block_overhead, hf_settings, model_spec, peer_specs
 from swarm.config import PROTOCOL_VERSION, HFConfig, ModelConfig, TrainConfig
 from swarm.dht.schema import PeerRecord
 
@@ -47,3 +47,23 @@ def test_a_frozen_hf_base_needs_less_memory_per_layer_than_full_training() -> No
     full = model_spec(MODEL, TRAIN).layer_memory[0]
     lora = model_spec(MODEL, TRAIN, HFConfig(path="x")).layer_memory[0]
     assert lora < full
+
+
+def test_a_hf_checkpoint_is_planned_from_its_config_by_the_memory_model() -> None:
+    from pathlib import Path
+
+    from coordinator import memory_model as mm
+
+    path = str(Path(__file__).resolve().parent.parent / "docs" / "configs" / "llama-3-70b.json")
+    model = ModelConfig(n_layers=80, d_model=8192, n_heads=64, vocab_size=128256, context=512)
+    hf = HFConfig(path=path, quant="nf4")
+    spec = model_spec(model, TRAIN, hf)
+    arch, settings = mm.Arch.from_path(path), hf_settings(model, TRAIN, hf)
+    assert spec.layer_memory == mm.layer_memory(arch, settings)
+    assert spec.last_layer_memory == mm.last_layer_memory(arch, settings) < spec.layer_memory  # one micro-batch
+    assert spec.layer_memory[0] > spec.layer_memory[1] < spec.layer_memory[-1]  # embedding, head and logits
+    assert spec.layer_cost[:-1] == (1.0,) * 79 and spec.layer_cost[-1] > 1.0  # the head costs compute too
+    assert spec.forward_bytes[0] == 4 * 512 * 8192 * (0.5 + 2 / 64)  # int4_rot activations
+    overhead = block_overhead(model, TRAIN, hf)
+    assert overhead == mm.stage_overhead_bytes(arch, settings) > 0 == block_overhead(model, TRAIN, None)
+    assert peer_specs([record("a", 1.0)], overhead=overhead)[0].free_memory == 8e9 - overhead

@@ -205,6 +205,7 @@ def test_json_shape_is_stable_and_round_trips() -> None:
         "failure",
         "recovering",
         "recovering_layers",
+        "waiting",
     }
     assert set(d["peers"][0]) == {
         "name",

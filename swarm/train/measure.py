@@ -79,6 +79,7 @@ def planned_throughput(plan: Plan, device: str, hf_path: str = "") -> float:
                 lora_rank=layer.lora_rank,
                 context=layer.context,
                 batch=layer.micro_batch_size,
+                activation_checkpointing=layer.activation_checkpointing,
             )
         except (ImportError, OSError, ValueError, KeyError, NotImplementedError) as e:
             log.warning(

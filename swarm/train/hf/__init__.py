@@ -1,4 +1,4 @@
-"""Fine-tune Hugging Face checkpoints across the swarm: frozen (optionally int8) base, LoRA adapters.
+"""Fine-tune Hugging Face checkpoints across the swarm: frozen (optionally int8 or NF4) base, LoRA adapters.
 
 Needs the ``hf`` extra (``transformers``, ``tokenizers``, ``peft`` for loading saved adapters). Every
 file is read from a local checkpoint directory; nothing is downloaded. See docs/finetune.md.

@@ -9,55 +9,45 @@ directory; nothing is ever downloaded.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-INDEX_FILE = "model.safetensors.index.json"
+from swarm.train.hf.checkpoint_check import INDEX_FILE, CheckpointError, load_config, weight_files
+
+__all__ = ["INDEX_FILE", "CheckpointError", "CheckpointReader", "load_hf_config"]
 
 
 def load_hf_config(path: str | Path, *, attn_implementation: str = "sdpa"):  # -> transformers.PretrainedConfig
     """The checkpoint's ``config.json``, with the attention kernel chosen explicitly.
 
     Decoder layers built outside a ``PreTrainedModel`` never get an attention implementation assigned,
-    and with none the mask helpers silently return no causal mask; so it is always set here.
+    and with none the mask helpers silently return no causal mask; so it is always set here. A missing or
+    unusable ``config.json`` is a ``CheckpointError`` naming it.
     """
-    from transformers import AutoConfig
-
-    root = Path(path).expanduser()
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"{root} has no config.json; expected a local Hugging Face checkpoint directory")
-    config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    config = load_config(path)
     config._attn_implementation = attn_implementation
     return config
 
 
 class CheckpointReader:
-    """Name → shard map of a local safetensors checkpoint, reading tensors individually on demand."""
+    """Name → shard map of a local safetensors checkpoint, reading tensors individually on demand.
+
+    Everything wrong with the files (no shards, a shard the index names missing or corrupt, a tensor
+    missing) is a ``CheckpointError`` naming the file: a peer's local copy may differ from the one the
+    coordinator checked.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.root = Path(path).expanduser()
-        self.files = self._weight_map()
+        self.files = weight_files(self.root)  # the index, or every shard's header
         self.read_names: list[str] = []
         self.largest_read_bytes = 0  # the largest single tensor read so far, in its stored dtype
-
-    def _weight_map(self) -> dict[str, Path]:
-        index = self.root / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.root / fname for name, fname in weight_map.items()}
-        shards = sorted(self.root.glob("*.safetensors"))
-        if not shards:
-            raise FileNotFoundError(f"no *.safetensors files in {self.root} (pickled .bin checkpoints are not read)")
-        files: dict[str, Path] = {}
-        for shard in shards:
-            with safe_open(str(shard), framework="pt") as f:  # reads the header only
-                for name in f.keys():
-                    files[name] = shard
-        return files
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -71,10 +61,11 @@ class CheckpointReader:
         self._check(wanted)
         return {name: self.read_one(name) for name in wanted}
 
-    def lazy(self, names: dict[str, str]) -> LazyTensors:
-        """``{local key: checkpoint name}`` whose tensors are read only as they are taken, one at a time."""
+    def lazy(self, names: dict[str, str], check: Callable[[str, torch.Tensor], None] | None = None) -> LazyTensors:
+        """``{local key: checkpoint name}`` whose tensors are read only as they are taken, one at a time;
+        ``check(key, tensor)`` sees each as it is read (and may raise)."""
         self._check(names.values())
-        return LazyTensors(self, names)
+        return LazyTensors(self, names, check)
 
     def read_one(self, name: str) -> torch.Tensor:
         """One tensor in its stored dtype, in memory this process owns (see :func:`read_tensor`)."""
@@ -86,7 +77,8 @@ class CheckpointReader:
     def _check(self, wanted: Iterable[str]) -> None:
         missing = [n for n in wanted if n not in self.files]
         if missing:
-            raise KeyError(f"{self.root} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{self.root} lacks tensor {missing[0]}{more}")
 
 
 _DTYPES = {
@@ -110,22 +102,44 @@ def read_tensor(shard: Path, name: str) -> torch.Tensor:
     as this process's ``RssFile`` while the mapping lives, a view kept in the block keeps it alive, and
     copying out of it holds the tensor twice (its mapped pages and the copy). Reading the bytes with
     ``readinto`` holds the tensor once; a load then holds the block plus about one tensor in flight
-    (measured in docs/hf_scale.md).
+    (docs/finetune.md). A truncated or corrupt shard is a ``CheckpointError`` naming it.
     """
+    stat = os.stat(shard)
+    data_start, header = _header(str(shard), stat.st_size, stat.st_mtime_ns)
+    if name not in header:
+        raise CheckpointError(f"{shard} has no tensor {name}, which {INDEX_FILE} says it holds")
+    info = header[name]
+    begin, end = info["data_offsets"]
+    buf = torch.empty(end - begin, dtype=torch.uint8)
     with open(shard, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        if name not in header:
-            raise KeyError(f"{shard} has no tensor {name!r}")
-        info = header[name]
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{shard}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        f.seek(8 + n + begin)
+        f.seek(data_start + begin)
         if f.readinto(memoryview(buf.numpy())) != end - begin:
-            raise ValueError(f"{shard} is truncated at tensor {name!r}")
+            raise CheckpointError(f"{shard} is truncated or corrupt (short read at {name})")
     return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+@functools.lru_cache(maxsize=64)
+def _header(shard: str, size: int, mtime_ns: int) -> tuple[int, dict]:
+    """(offset of the data, tensor entries) of a shard, checked as ``safe_open`` checks it: the entries
+    must tile the data exactly, so a truncated file is refused whichever tensor is asked for."""
+    try:
+        with safe_open(shard, framework="pt"):  # safetensors' own header validation
+            pass
+        with open(shard, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        spans = sorted(tuple(v["data_offsets"]) for v in header.values())
+        bad = [k for k, v in header.items() if v["dtype"] not in _DTYPES]
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        raise CheckpointError(f"{shard} is truncated or corrupt ({why})") from None
+    if bad:
+        raise CheckpointError(f"{shard}: tensor {bad[0]} has a dtype this loader does not read")
+    gaps = any(b != a for (_, a), (b, _) in zip(spans, spans[1:], strict=False))
+    if spans and (spans[0][0] != 0 or spans[-1][1] != size - 8 - n or gaps):
+        raise CheckpointError(f"{shard} is truncated or corrupt (its header does not tile the data)")
+    return 8 + n, header
 
 
 class LazyTensors:
@@ -135,8 +149,10 @@ class LazyTensors:
     quantises) as it iterates holds one stored tensor in flight, not a whole layer's.
     """
 
-    def __init__(self, reader: CheckpointReader, names: dict[str, str]) -> None:
-        self._reader, self._names = reader, dict(names)
+    def __init__(
+        self, reader: CheckpointReader, names: dict[str, str], check: Callable[[str, torch.Tensor], None] | None = None
+    ) -> None:
+        self._reader, self._names, self._on_read = reader, dict(names), check
 
     def __contains__(self, key: str) -> bool:
         return key in self._names
@@ -149,7 +165,12 @@ class LazyTensors:
 
     def pop(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         name = self._names.pop(key, None)
-        return default if name is None else self._reader.read_one(name)
+        if name is None:
+            return default
+        t = self._reader.read_one(name)
+        if self._on_read is not None:
+            self._on_read(key, t)
+        return t
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         while self._names:

@@ -1,10 +1,11 @@
 """LoRA adapters on a block's frozen projections, saved in the format ``peft`` loads.
 
 Our own ~100 lines instead of ``peft.inject_adapter_in_model``, because the frozen base here is often
-our ``Int8Linear``, which peft does not know (its int8 path needs bitsandbytes and a GPU), and because
-adapter names and initialisation must depend only on the global layer index and a seed, so every
-peer builds exactly the adapters the unsplit model would. The math is peft's: ``y = base(x) +
-B(A(x)) * alpha / r`` with ``A`` Kaiming-uniform and ``B`` zero (the output equals the base at init);
+our ``Int8Linear`` or ``NF4Linear``, which peft does not know (its int8 and 4-bit paths need
+bitsandbytes), and because adapter names and initialisation must depend only on the global layer
+index and a seed, so every peer builds exactly the adapters the unsplit model would. The math is
+peft's: ``y = base(x) + B(A(x)) * alpha / r`` with ``A`` Kaiming-uniform and ``B`` zero (the output
+equals the base at init);
 adapters are kept in fp32 for the optimizer. ``save_peft_adapter`` writes ``adapter_config.json`` +
 ``adapter_model.safetensors`` under peft's names, so ``PeftModel.from_pretrained`` loads the result on
 the full model; the tests check that round trip.
@@ -23,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from swarm.train.hf.quant import Int8Linear
+from swarm.train.hf.quant import QUANTIZED_LINEARS
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -31,10 +32,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) of ``nn.Linear``, ``Int8Linear`` or GPT-2's ``Conv1D`` (weight stored (in, out)); else None."""
+    """(in, out) of ``nn.Linear``, ``Int8Linear``, ``NF4Linear`` or GPT-2's ``Conv1D`` (stored (in, out)), else None."""
     from transformers.pytorch_utils import Conv1D
 
-    if isinstance(module, nn.Linear | Int8Linear):
+    if isinstance(module, (nn.Linear, *QUANTIZED_LINEARS)):
         return module.in_features, module.out_features
     if isinstance(module, Conv1D):
         return module.weight.shape[0], module.weight.shape[1]

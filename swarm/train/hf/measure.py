@@ -3,9 +3,11 @@
 :func:`hf_layer_throughput` is what a peer runs before it joins (``swarm.train.measure.planned_throughput``):
 one decoder layer of the checkpoint's own architecture, built from its ``config.json`` with random
 weights (speed does not depend on the values, and a peer must not read gigabytes to start), in the run's
-dtype, with the int8 base and LoRA adapters the run trains, forward and backward like a middle stage.
+dtype, with the int8 / NF4 base, activation checkpointing and LoRA adapters the run trains, forward and
+backward like a middle stage.
 
-The command line reproduces docs/finetune.md: memory of a block and logits error of bf16 / int8 vs fp32.
+The command line reproduces docs/finetune.md: memory of a block (weights per storage mode, and the activations
+one micro-batch keeps with and without activation checkpointing) and logits error of bf16 / int8 / NF4 vs fp32.
 
     python -m swarm.train.hf.measure PATH --split 0:2,2:4        # a real local checkpoint
     python -m swarm.train.hf.measure /tmp/rand --random llama --hidden 2048 --layers 4
@@ -56,13 +58,18 @@ def hf_layer_throughput(
     lora_rank: int,
     context: int,
     batch: int,
+    activation_checkpointing: bool = False,
 ) -> float:
     """Forward+backward passes per second of one random layer of the checkpoint at ``path`` on a
-    (batch, context) micro-batch, as a middle stage runs it: frozen base, gradients to the adapters and input.
+    (batch, context) micro-batch, as a middle stage runs it: frozen base, gradients to the adapters and input
+    (with ``activation_checkpointing``, the layer's forward runs twice, as in ``HFStageModel``).
     """
+    from torch.utils.checkpoint import checkpoint
+
     from swarm.train.hf.arch import architecture_for
     from swarm.train.hf.loader import CheckpointReader, load_hf_config
     from swarm.train.hf.lora import attach_lora
+    from swarm.train.hf.quant import quantize_linears
     from swarm.train.hf.stage import parse_dtype
 
     dev, compute = torch.device(device), parse_dtype(dtype)
@@ -71,10 +78,8 @@ def hf_layer_throughput(
     with torch.device(dev):
         layer = arch.new_layer(0).to(compute)
     layer.requires_grad_(False)
-    if quant == "int8":
-        _quantize(layer, compute)
-    elif quant != "none":
-        raise NotImplementedError(f"base quantisation {quant!r} is not supported yet")
+    if quant != "none":
+        quantize_linears(layer, quant=quant, dtype=compute, device=dev)
     if lora_rank > 0:
         attach_lora(
             layer,
@@ -91,22 +96,14 @@ def hf_layer_throughput(
         h = received.to(compute)
         mask = arch.masks(h, position_ids, [0])[0]
         rope = rotary(h, position_ids) if rotary is not None else None
-        arch.run_layer(layer, h, mask, position_ids, rope).float().sum().backward()
+        args = (layer, h, mask, position_ids, rope)
+        if activation_checkpointing:
+            out = checkpoint(arch.run_layer, *args, use_reentrant=False)
+        else:
+            out = arch.run_layer(*args)
+        out.float().sum().backward()
 
     return best_rate(once, sync=synchronizer(dev), clock=device_clock(dev))
-
-
-def _quantize(layer: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Every linear (and GPT-2 ``Conv1D``) of ``layer`` as an ``Int8Linear``, as ``HFStageModel`` stores the base."""
-    from transformers.pytorch_utils import Conv1D
-
-    from swarm.train.hf.quant import Int8Linear
-
-    for name, child in list(layer.named_modules()):
-        if isinstance(child, torch.nn.Linear | Conv1D):
-            conv = isinstance(child, Conv1D)
-            int8 = Int8Linear.from_weight(child.weight, child.bias, dtype=dtype, transposed=conv)
-            layer.set_submodule(name, int8.to(child.weight.device))
 
 
 def block_memory(path: Path, start: int, end: int, dtype: str, quant: str) -> dict[str, int]:
@@ -134,8 +131,41 @@ def logits_errors(path: Path, split: list[tuple[int, int]], *, context: int, bat
         "bf16": dict(dtype=torch.bfloat16),
         "int8 (bf16 compute)": dict(dtype=torch.bfloat16, quant="int8"),
         "int8 (fp32 compute)": dict(dtype=torch.float32, quant="int8"),
+        "nf4 (bf16 compute)": dict(dtype=torch.bfloat16, quant="nf4"),
+        "nf4 (fp32 compute)": dict(dtype=torch.float32, quant="nf4"),
     }
     return {name: float((run(**kw) - ref).norm() / ref.norm()) for name, kw in modes.items()}
+
+
+def activation_bytes(
+    path: Path, start: int, end: int, *, quant: str, checkpointing: bool, context: int, batch: int
+) -> int:
+    """Bytes the autograd graph of one bf16 LoRA micro-batch keeps for the backward (weights excluded).
+
+    Counted with ``saved_tensors_hooks`` over one forward of the block; each storage once. This is what
+    every micro-batch in flight costs a stage until its backward, on any device.
+    """
+    from swarm.train.hf.stage import HFStageModel
+
+    block = HFStageModel(
+        path, start, end, dtype="bf16", quant=quant, activation_checkpointing=checkpointing, lora_rank=8
+    )
+    weights = {t.untyped_storage().data_ptr() for t in block.state_dict(keep_vars=True).values()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    if block.is_first:
+        x = torch.randint(0, block.vocab_size, (batch, context), generator=g)
+    else:
+        x = torch.randn(batch, context, block.d_model, generator=g, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(seen.values())
 
 
 def make_random_llama(out: Path, *, hidden: int, layers: int, vocab: int = 32000) -> Path:
@@ -158,7 +188,7 @@ def make_random_llama(out: Path, *, hidden: int, layers: int, vocab: int = 32000
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="memory per block and int8/bf16 logits error of a HF checkpoint")
+    parser = argparse.ArgumentParser(description="memory per block and bf16/int8/nf4 logits error of a HF checkpoint")
     parser.add_argument("path", type=Path)
     parser.add_argument("--split", default="", help="blocks as a:b,b:c (default: two halves)")
     parser.add_argument("--random", choices=["llama"], help="first write a random checkpoint of this shape to PATH")
@@ -180,9 +210,18 @@ def main(argv: list[str] | None = None) -> None:
         report["logits_rel_error_vs_fp32"] = logits_errors(args.path, split, context=args.context, batch=args.batch)
     for a, b in split:
         report["blocks"][f"[{a},{b})"] = {
-            mode: block_memory(args.path, a, b, "bf16", "int8" if mode == "int8" else "none")
-            for mode in ("bf16", "int8")
+            mode: block_memory(args.path, a, b, "bf16", "none" if mode == "bf16" else mode)
+            for mode in ("bf16", "int8", "nf4")
         }
+    report["activation_bytes_per_micro_batch"] = {
+        f"[{a},{b})": {
+            name: activation_bytes(
+                args.path, a, b, quant="nf4", checkpointing=ac, context=args.context, batch=args.batch
+            )
+            for name, ac in (("nf4", False), ("nf4 + activation checkpointing", True))
+        }
+        for a, b in split
+    }
     report["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(args.path).glob("*.safetensors"))
     print(json.dumps(report, indent=2))
 

@@ -5,6 +5,8 @@ can live as int8 with one absmax scale per output channel (row of the ``(out, in
 matmul dequantises its weight to the activation dtype just in time; a custom autograd function keeps
 only the int8 weight for the backward pass, so in-flight micro-batches do not pin dequantised copies of
 every weight. Activations, norms and the trainable adapters stay in floating point.
+
+This is also the one place that maps a ``quant`` name to its storage: ``int8`` here, ``nf4`` in ``nf4.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from swarm.train.hf.nf4 import NF4Embedding, NF4Linear
 
 INT8_MAX = 127.0
 
@@ -106,6 +110,51 @@ class Int8Embedding(nn.Module):
     def as_linear(self) -> Int8Linear:
         """The tied output head sharing this table's int8 storage (a token's row is its output channel)."""
         return Int8Linear(self.qweight, self.scale, None)
+
+
+QUANTIZED_LINEARS = (Int8Linear, NF4Linear)
+QUANTIZED_EMBEDDINGS = (Int8Embedding, NF4Embedding)
+_KINDS = {"int8": (Int8Linear, Int8Embedding), "nf4": (NF4Linear, NF4Embedding)}
+
+
+def _kind(quant: str) -> tuple[type, type]:
+    if quant not in _KINDS:
+        raise ValueError(f"unknown base quantisation {quant!r}; choose {', '.join(_KINDS)} (or none)")
+    return _KINDS[quant]
+
+
+def quantized_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, *, quant: str, dtype: torch.dtype, transposed: bool = False
+) -> nn.Module:
+    """An ``Int8Linear`` or ``NF4Linear`` (``quant``) of an ``(out, in)`` weight, or ``(in, out)`` if ``transposed``."""
+    return _kind(quant)[0].from_weight(weight, bias, dtype=dtype, transposed=transposed)
+
+
+def quantized_embedding(weight: torch.Tensor, *, quant: str, dtype: torch.dtype) -> nn.Module:
+    return _kind(quant)[1].from_weight(weight, dtype=dtype)
+
+
+def quantize_linears(
+    module: nn.Module, *, quant: str, dtype: torch.dtype, device: torch.device, raw: dict | None = None
+) -> list[str]:
+    """Swap every linear (and GPT-2 ``Conv1D``) of ``module`` for its ``quant`` form on ``device``; their names.
+
+    Weights come from ``raw`` (the checkpoint's tensors by name, popped: quantised from the stored, not the
+    down-cast, values) when given, else from the module itself.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    names = []
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.Linear | Conv1D):
+            if raw is not None:
+                weight, bias = raw.pop(f"{name}.weight"), raw.pop(f"{name}.bias", None)
+            else:
+                weight, bias = child.weight, child.bias
+            q = quantized_linear(weight, bias, quant=quant, dtype=dtype, transposed=isinstance(child, Conv1D))
+            module.set_submodule(name, q.to(device))
+            names.append(name)
+    return names
 
 
 def tensor_bytes(module: nn.Module, *, exclude: tuple[str, ...] = ()) -> int:

@@ -4,8 +4,9 @@ The decoder layers are the ``transformers`` classes the checkpoint was trained w
 ``AutoModelForCausalLM``), but they are built on the meta device and filled only with this block's
 tensors from the safetensors shards: a peer never materialises the whole model. The first block owns
 the token (and, for GPT-2, position) embeddings; the last owns the final norm and the head, reading the
-embedding matrix for it when the checkpoint ties them. The base is frozen (bf16/fp16/fp32, or int8
-weight-only); the only trainable parameters are LoRA adapters.
+embedding matrix for it when the checkpoint ties them. The base is frozen (bf16/fp16/fp32, or int8 / NF4
+weight-only); the only trainable parameters are LoRA adapters. With activation checkpointing each
+decoder layer keeps only its input for the backward and recomputes the rest there.
 
 Hidden states leave a non-last block as fp32 whatever the compute dtype, because that is what the
 wire codecs and ``StageRunner`` exchange today; the cast is exact for bf16/fp16 and its backward is free.
@@ -19,12 +20,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swarm.config import ModelConfig
 from swarm.train.hf.arch import Architecture, architecture_class, architecture_for
+from swarm.train.hf.checkpoint_check import CheckpointError, positions
 from swarm.train.hf.loader import CheckpointReader, load_hf_config
 from swarm.train.hf.lora import attach_lora, read_peft_adapter, save_peft_adapter
-from swarm.train.hf.quant import Int8Embedding, Int8Linear, tensor_bytes
+from swarm.train.hf.quant import (
+    QUANTIZED_EMBEDDINGS,
+    quantize_linears,
+    quantized_embedding,
+    quantized_linear,
+    tensor_bytes,
+)
 
 IGNORE_INDEX = -100
 DTYPES = {
@@ -72,17 +81,19 @@ class HFStageModel(nn.Module):
         self.path = Path(path).expanduser()
         self.hf_config = load_hf_config(self.path, attn_implementation=attn_implementation)
         self.reader = CheckpointReader(self.path)
-        self.arch: Architecture = architecture_for(self.hf_config, set(self.reader.files))
+        try:
+            self.arch: Architecture = architecture_for(self.hf_config, set(self.reader.files))
+        except KeyError as e:  # the embedding is under neither prefix
+            raise CheckpointError(f"{self.path}: {e.args[0] if e.args else e}") from None
         n = self.arch.n_layers
         if not 0 <= start < end <= n:
             raise ValueError(f"invalid block [{start}, {end}) for a model of {n} layers")
         self.start, self.end, self.n_layers = start, end, n
         self.is_first, self.is_last = start == 0, end == n
         self.dtype, self.device = parse_dtype(dtype), torch.device(device)
-        if quant not in ("none", "int8"):
-            raise NotImplementedError(f"base quantisation {quant!r} is not supported yet")
+        if quant not in ("none", "int8", "nf4"):
+            raise ValueError(f"unknown base quantisation {quant!r}; choose none, int8 or nf4")
         self.quant, self.activation_checkpointing = quant, activation_checkpointing
-        self.quantize_int8 = quant == "int8"
         self.d_model, self.vocab_size, self.context = self.arch.hidden_size, self.arch.vocab_size, self.arch.context
 
         self.layers = nn.ModuleDict(
@@ -93,7 +104,7 @@ class HFStageModel(nn.Module):
         )
         self.rotary = self.arch.new_rotary(self.device)
         if self.is_first:
-            self.embed = self._load_embedding(self.arch.embed_key, quantize=self.quantize_int8)
+            self.embed = self._load_embedding(self.arch.embed_key, quantize=quant != "none")
             if self.arch.pos_embed_key:  # small, and added to every token: kept in the compute dtype
                 self.pos_embed = self._load_embedding(self.arch.pos_embed_key, quantize=False)
         if self.is_last:
@@ -124,45 +135,51 @@ class HFStageModel(nn.Module):
         """Build ``factory()`` on the meta device, then fill it with exactly its tensors from the checkpoint."""
         with torch.device("meta"):
             module = factory()
-        keys = list(module.state_dict().keys())
-        raw = self.reader.lazy({k: prefix + k for k in keys})  # read one tensor at a time, as converted
+        expected = module.state_dict()  # meta tensors: names and shapes only
+        keys = list(expected)
+
+        def check(k: str, v: torch.Tensor) -> None:  # each tensor as it is read
+            if tuple(v.shape) != tuple(expected[k].shape):
+                raise CheckpointError(
+                    f"{self.reader.files[prefix + k]}: tensor {prefix + k} has shape {list(v.shape)}, "
+                    f"but config.json implies {list(expected[k].shape)}"
+                )
+
+        raw = self.reader.lazy({k: prefix + k for k in keys}, check=check)  # read one at a time, as converted
         quantized: list[str] = []
-        if self.quantize_int8:
-            quantized = self._quantize_from_raw(module, raw)
+        if self.quant != "none":  # quantised from the stored (not down-cast) weights
+            quantized = quantize_linears(module, quant=self.quant, dtype=self.dtype, device=self.device, raw=raw)
         missing, unexpected = module.load_state_dict(
             {k: self._cast(v) for k, v in raw.items()}, strict=False, assign=True
         )
         missing = [k for k in missing if not any(k.startswith(q + ".") for q in quantized)]
         if missing or unexpected:
-            raise RuntimeError(f"loading {prefix}: missing {missing}, unexpected {unexpected}")
+            raise CheckpointError(f"{self.path}: loading {prefix}: missing {missing}, unexpected {unexpected}")
         return module
 
-    def _quantize_from_raw(self, module: nn.Module, raw: dict[str, torch.Tensor]) -> list[str]:
-        """Swap each linear for an ``Int8Linear`` quantised from the stored (not down-cast) weight."""
-        from transformers.pytorch_utils import Conv1D
-
-        names = []
-        for name, child in list(module.named_modules()):
-            if isinstance(child, nn.Linear | Conv1D):
-                weight, bias = raw.pop(f"{name}.weight"), raw.pop(f"{name}.bias", None)
-                int8 = Int8Linear.from_weight(weight, bias, dtype=self.dtype, transposed=isinstance(child, Conv1D))
-                module.set_submodule(name, int8.to(self.device))
-                names.append(name)
-        return names
+    def _read_matrix(self, key: str, rows: int) -> torch.Tensor:
+        """One (rows, hidden) matrix: an embedding or the head (CheckpointError naming its shard if it is not)."""
+        weight = self.reader.read([key])[key]
+        if tuple(weight.shape) != (rows, self.d_model):
+            raise CheckpointError(
+                f"{self.reader.files[key]}: tensor {key} has shape {list(weight.shape)}, "
+                f"but config.json implies {[rows, self.d_model]}"
+            )
+        return weight
 
     def _load_embedding(self, key: str, *, quantize: bool) -> nn.Module:
-        weight = self.reader.read([key])[key]
+        weight = self._read_matrix(key, self.context if key == self.arch.pos_embed_key else self.vocab_size)
         if quantize:
-            return Int8Embedding.from_weight(weight, dtype=self.dtype).to(self.device)
+            return quantized_embedding(weight, quant=self.quant, dtype=self.dtype).to(self.device)
         return nn.Embedding.from_pretrained(self._cast(weight), freeze=True)
 
     def _load_head(self) -> nn.Module:
         key = self.arch.head_key
         if self.is_first and key == self.arch.embed_key:  # tied and this block has both ends: share storage
-            return self.embed.as_linear() if isinstance(self.embed, Int8Embedding) else _TiedHead(self.embed)
-        weight = self.reader.read([key])[key]
-        if self.quantize_int8:
-            return Int8Linear.from_weight(weight, None, dtype=self.dtype).to(self.device)
+            return self.embed.as_linear() if isinstance(self.embed, QUANTIZED_EMBEDDINGS) else _TiedHead(self.embed)
+        weight = self._read_matrix(key, self.vocab_size)
+        if self.quant != "none":
+            return quantized_linear(weight, None, quant=self.quant, dtype=self.dtype).to(self.device)
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         head.weight = nn.Parameter(self._cast(weight), requires_grad=False)
         return head
@@ -195,8 +212,10 @@ class HFStageModel(nn.Module):
         indices = list(range(self.start, self.end))
         masks = self.arch.masks(h, position_ids, indices)
         rope = self.rotary(h, position_ids) if self.rotary is not None else None
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for i in indices:
-            h = self.arch.run_layer(self.layers[str(i)], h, masks[i], position_ids, rope)
+            args = (self.layers[str(i)], h, masks[i], position_ids, rope)
+            h = checkpoint(self.arch.run_layer, *args, use_reentrant=False) if recompute else self.arch.run_layer(*args)
         if self.is_last:
             return self.head(self.norm(h))
         return h.float()
@@ -298,9 +317,12 @@ def adapter_settings(
 def hf_model_config(path: str | Path, context: int) -> ModelConfig:
     """Sizes of a HF checkpoint as a ``ModelConfig`` (training sequence length ``context``) for StageRunner's checks."""
     config = load_hf_config(path)
-    max_positions = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or context)
+    max_positions = positions(config) or context
     if context > max_positions:
-        raise ValueError(f"context {context} exceeds the model's {max_positions} positions")
+        raise CheckpointError(
+            f"context {context} exceeds the {max_positions} positions of {Path(path).expanduser() / 'config.json'} "
+            f"(use --context {max_positions} or less)"
+        )
     return ModelConfig(
         n_layers=config.num_hidden_layers,
         d_model=config.hidden_size,
