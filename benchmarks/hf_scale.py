@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -146,16 +147,11 @@ def predicted_peer_bytes(
     micro_batch_size: int,
     context: int,
     in_flight: int,
-) -> dict | None:
-    """The memory model's bytes for a peer holding ``[start, end)``: {"load": weights, "train": total}.
+) -> dict:
+    """The memory model's bytes for a peer holding ``[start, end)``: {"load": weights, "train": total}
+    (``coordinator.memory_model.block_memory``, what placement and ``ravn plan`` use)."""
+    from coordinator.memory_model import Arch, Settings, block_memory
 
-    TODO(lead): this calls ``coordinator.memory_model`` (``Arch.from_path``, ``Settings``, ``block_memory``),
-    which lands on its own branch; until it is merged this returns None and the table says "n/a".
-    """
-    try:
-        from coordinator.memory_model import Arch, Settings, block_memory
-    except ImportError:
-        return None
     s = Settings(
         dtype=dtype,
         quant=quant,
@@ -237,6 +233,7 @@ def ravn_local(
     if wires:
         cmd += ["--wire-forward", wires[0], "--wire-backward", wires[1]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    shutil.rmtree(runs / name, ignore_errors=True)  # a fresh run, never a resumed one (--workdir reuse)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=args.timeout)
     run = runs / name
