@@ -41,7 +41,7 @@ def quantize_absmax(weight: torch.Tensor, *, chunk_elements: int = 1 << 20) -> t
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Straight to the compute dtype (int8 values are exact in bf16/fp16), so no fp32 copy of a big matrix."""
-    return q.to(dtype) * scale.to(dtype)[:, None]
+    return q.to(dtype).mul_(scale.to(dtype)[:, None])  # in place: one matrix-sized temporary, not two
 
 
 class _Int8Matmul(torch.autograd.Function):
