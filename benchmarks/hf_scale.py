@@ -407,9 +407,12 @@ def main(argv: list[str] | None = None) -> None:
         if not (ckpt / "model.safetensors.index.json").exists():
             info = make_checkpoint(ckpt, parse_params(args.params), vocab=args.vocab)
         else:
-            info = json.loads((ckpt / "config.json").read_text())
-            info["bytes"] = json.loads((ckpt / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
-            info["params"] = info["bytes"] // 2
+            config = json.loads((ckpt / "config.json").read_text())
+            index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+            nbytes = index["metadata"]["total_size"]
+            keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            info = {"params": nbytes // 2, "bytes": nbytes, "shards": len(set(index["weight_map"].values()))}
+            info |= {k: config[k] for k in (*keys, "num_key_value_heads", "vocab_size")}
         make_data(data)
         print(
             f"checkpoint: {info['params'] / 1e6:,.0f} M parameters, {info['bytes'] / MiB:,.0f} MiB bf16 "
