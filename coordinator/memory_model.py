@@ -258,10 +258,19 @@ def logits_bytes(arch: Arch, s: Settings) -> float:
     return float(s.tokens * arch.vocab * (s.elem + LOGIT_BYTES_FP32))
 
 
+def dequantized_bytes(arch: Arch, s: Settings, *, last: bool = False) -> float:
+    """The one weight an int8/NF4 matmul dequantises to ``dtype`` at a time (the block's largest; on the last
+    block that is the head). Nothing for a base stored in ``dtype``."""
+    if s.quant == "none":
+        return 0.0
+    largest = max(lin.fan_in * lin.fan_out for lin in arch.linears())
+    return float(max(largest, arch.vocab * arch.hidden if last else 0) * s.elem)
+
+
 def stage_overhead_bytes(arch: Arch, s: Settings) -> float:
-    """Per block, whatever its size: the fp32 input and output per micro-batch in flight, and with
-    checkpointing one layer's rebuilt activations."""
-    buffers = 2 * s.in_flight * s.tokens * arch.hidden * 4
+    """Per block, whatever its size: the fp32 input and output per micro-batch in flight, one dequantised
+    weight of a quantised base, and with checkpointing one layer's rebuilt activations."""
+    buffers = 2 * s.in_flight * s.tokens * arch.hidden * 4 + dequantized_bytes(arch, s)
     return buffers + (layer_activation_bytes(arch, s) if s.activation_checkpointing else 0)
 
 
@@ -278,7 +287,8 @@ def block_memory(arch: Arch, s: Settings, start: int, end: int) -> BlockMemory:
     s = replace(s, in_flight=1) if last else s
     ends = (embedding_bytes(arch, s) if first else 0.0) + (head_bytes(arch, s, holds_embedding=first) if last else 0.0)
     activations = k * in_flight_layer_bytes(arch, s) + stage_overhead_bytes(arch, s)
-    activations += logits_bytes(arch, s) if last else 0.0
+    if last:  # the head, dequantised whole, may outweigh the largest layer weight counted in the overhead
+        activations += logits_bytes(arch, s) + dequantized_bytes(arch, s, last=True) - dequantized_bytes(arch, s)
     return BlockMemory(k * layer_base_bytes(arch, s), k * layer_adapter_bytes(arch, s), activations, ends)
 
 
@@ -289,6 +299,7 @@ def layer_memory(arch: Arch, s: Settings) -> tuple[float, ...]:
     out = [per] * arch.n_layers
     out[0] += embedding_bytes(arch, s)
     out[-1] += head_bytes(arch, s, holds_embedding=arch.n_layers == 1) + logits_bytes(arch, s)
+    out[-1] += dequantized_bytes(arch, s, last=True) - dequantized_bytes(arch, s)
     return tuple(out)
 
 

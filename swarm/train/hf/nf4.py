@@ -46,6 +46,9 @@ NF4_CODE = (
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+DEQUANT_CHUNK = 1 << 20  # packed bytes per table lookup (4 MiB of int32 indices)
+
+
 def _code(device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.tensor(NF4_CODE, dtype=dtype, device=device)
 
@@ -109,7 +112,12 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, cols: int, dtype:
     if half * 2 != absmax.shape[-1] * BLOCK or not 0 < cols <= half * 2:
         raise ValueError(f"packed {tuple(packed.shape)}, absmax {tuple(absmax.shape)} and {cols} columns disagree")
     table = _byte_table(packed.device, dtype)
-    values = table.index_select(0, packed.reshape(-1).to(torch.int32))  # (numel/2, 2)
+    flat = packed.reshape(-1)
+    values = torch.empty((flat.numel(), 2), dtype=dtype, device=packed.device)
+    # The lookup's int32 indices would be as large as the output if made at once: a chunk at a time, so a
+    # dequantised head costs one matrix in ``dtype`` plus a few MB, not two matrices.
+    for i in range(0, flat.numel(), DEQUANT_CHUNK):
+        torch.index_select(table, 0, flat[i : i + DEQUANT_CHUNK].to(torch.int32), out=values[i : i + DEQUANT_CHUNK])
     values = values.view(*lead, absmax.shape[-1], BLOCK).mul_(absmax.to(dtype)[..., None])
     return values.view(*lead, half * 2)[..., :cols]
 
