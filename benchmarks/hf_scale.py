@@ -325,7 +325,8 @@ same data order, loss normalisation, AdamW, warm-up and initial adapters). With 
 is expected to match exactly too: hidden states cross as fp32, which every bf16 value survives, and a LoRA
 delta is added in fp32 and rounded once, as in peft. The default codecs quantise activations and
 gradients on the wire, so those losses are compared at equal tokens, within 2 %. Timings on a shared
-machine are noisy; the reference uses `--reference-threads` torch threads, each peer cores / peers."""
+machine are noisy; the reference runs with a peer's torch threads (cores / peers), since bf16 matmuls round
+differently with another thread count."""
 
 
 def markdown(report: dict) -> str:
@@ -392,7 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--device", default="cpu", help="--device of every peer (cpu here; cuda on a GPU)")
     p.add_argument("--reference", action="store_true", help="also run the transformers + peft loop and compare")
-    p.add_argument("--reference-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument(
+        "--reference-threads",
+        type=int,
+        default=0,
+        help="torch threads of the reference (0: a peer's, cores / peers as ravn local gives them; bf16 matmuls "
+        "round differently with another thread count: 7.6e-4 on the first step's loss at 0.5 B)",
+    )
     p.add_argument("--slack-mib", type=float, default=16.0, help="code pages etc. allowed beyond one tensor")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--workdir", help="keep the checkpoint and runs here (default: a temporary folder)")
@@ -478,7 +485,8 @@ def reference(runs: Path, ckpt: Path, data: Path, args) -> dict:
             lora_alpha=args.lora_alpha,
             dtype=dtype,
         )
-        ref = train(ckpt, data, recipe, device=args.device, threads=args.reference_threads)
+        threads = args.reference_threads or max(1, (os.cpu_count() or 1) // args.peers)
+        ref = train(ckpt, data, recipe, device=args.device, threads=threads)
         ravn = ravn_steps(run)
         result = compare(ravn, ref)
         result.update(bound=bound, bound_on=key, within=result[key] <= bound)
