@@ -356,11 +356,16 @@ def markdown(report: dict) -> str:
                 f"{'yes' if r['one_tensor_ok'] else 'NO'} | {mib(r['train_peak'])} | {mib(r['predicted_train'])} | "
                 f"{ratio} |"
             )
-    lines += ["", "| base | tokens/s | s/step (after step 0) | losses |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| base | tokens/s | planner's prediction, tokens/s | s/step (after step 0) | losses |",
+        "|---|---|---|---|---|",
+    ]
     for quant, res in report["runs"].items():
         if "skipped" not in res:
             lines.append(
-                f"| {quant} | {res['tokens_per_s']:,.0f} | {res['seconds_per_step']:.2f} | "
+                f"| {quant} | {res['tokens_per_s']:,.0f} | {res.get('predicted_tokens_per_s', 0.0):,.0f} | "
+                f"{res['seconds_per_step']:.2f} | "
                 f"{', '.join(f'{x:.4f}' for x in res['losses'])} |"
             )
     for name, cmp in report.get("reference", {}).items():
@@ -448,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
                 "stages": stage_rows(run, ckpt, args, quant=quant, dtype=args.dtype),
                 "losses": losses,
                 "tokens_per_s": s["tokens_per_s"],
+                "predicted_tokens_per_s": s.get("predicted_tokens_per_s", 0.0),  # the planner's, for the plan
                 "seconds_per_step": steady(seconds),
                 "tokens": tokens,
             }

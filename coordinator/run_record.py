@@ -222,6 +222,10 @@ class RunRecord:
             "tokens": tokens,
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
+            # the planner's cost model for the last plan (slowest stage, no pipeline bubble): docs/SCALING.md
+            "predicted_tokens_per_s": self.planning.predicted_throughput
+            * self.s.train.micro_batch_size
+            * self.s.model.context,
             "wire_bytes": wire,
             "wire_bytes_per_token": wire / tokens if tokens else 0.0,
             "effective_batch_tokens": self.s.train.micro_batches * self.s.train.micro_batch_size * self.s.model.context,

@@ -192,6 +192,7 @@ def test_default_context_follows_the_checkpoint(work):
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow  # a real run; the default suite keeps newcomers under 10 minutes
 def test_plan_that_cannot_fit_names_the_memory(work):
     """Peers offering 1 MiB each: the run ends with the memory needed and offered, before any step."""
     t0 = time.monotonic()

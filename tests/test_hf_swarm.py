@@ -143,6 +143,7 @@ def test_weight_stashing_in_a_lora_run_stashes_only_adapters(tmp_path: Path) -> 
         assert s["stash_bytes_peak"] <= 2 * adapter_bytes, (s, adapter_bytes)
 
 
+@pytest.mark.slow  # a real run; the default suite keeps newcomers under 10 minutes
 def test_an_nf4_checkpointed_lora_run_finishes_and_saves_an_adapter(tmp_path: Path) -> None:
     """The NF4 base and activation checkpointing through real peers: flags, protocol, stage factory, measuring."""
     ckpt, data = _checkpoint_and_data(tmp_path)
@@ -184,3 +185,8 @@ def test_an_nf4_checkpointed_lora_run_finishes_and_saves_an_adapter(tmp_path: Pa
     base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, run / "adapter")
     assert any(n.endswith("lora_B.default.weight") for n, _ in model.named_parameters())
+    summary = [m for m in read_metrics(run) if m["kind"] == "summary"][-1]
+    # the planner's prediction for this plan is in the summary beside the measured rate (docs/SCALING.md)
+    assert summary["predicted_tokens_per_s"] > 0 and summary["tokens_per_s"] > 0, summary
+    for stage in summary["stages"]:  # each peer measured what building and training its block cost
+        assert stage["memory"]["train_peak"] > 0, stage

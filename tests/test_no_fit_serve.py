@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+import pytest
 
 from tests.swarm_procs import ENV, ROOT, assert_all_gone, coordinator, join_args, peer
 
@@ -26,6 +27,7 @@ def _status(port: str, token: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow  # a real run; the default suite keeps newcomers under 10 minutes
 def test_serve_waits_for_a_peer_that_fits(tmp_path: Path) -> None:
     coord = coordinator(
         tmp_path,

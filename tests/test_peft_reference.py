@@ -25,7 +25,7 @@ from swarm.train.hf.tiny import make_tiny_checkpoint  # noqa: E402
 from tests.conftest import run_ravn_local  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_ravn_lora_matches_a_peft_loop_step_for_step(tmp_path: Path, dtype: str) -> None:
     ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama")
     data = tmp_path / "qa.jsonl"
