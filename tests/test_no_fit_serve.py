@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
 import pytest
 
 from tests.swarm_procs import ENV, ROOT, assert_all_gone, coordinator, join_args, peer
