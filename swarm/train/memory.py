@@ -50,7 +50,8 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # While training, tensors of 1 MiB or more get their own mapping and go back to the OS when freed. With glibc's
 # default (a threshold that climbs to 32 MiB) freed activations stayed in the heap: on the 0.5 B benchmark
 # (docs/hf_scale.md) a bf16 stage peaked at 1.29-1.36x the memory model and an int8 stage at 1.46-1.56x;
-# with 1 MiB, 1.14-1.23x and 0.97-1.35x, at 129 against 129 (bf16) and 105 against 115 (int8) tokens/s.
+# with 1 MiB, 1.12-1.24x and 1.00-1.23x. Tokens/s, one run each: bf16 129 before, 129 and 106 after; int8 115
+# before, 105 and 100 after (a cost of up to ~10-15 % on CPU peers that these runs cannot tell from noise).
 TRAINING_MMAP_THRESHOLD = 1 << 20
 _LIBC = None
 
