@@ -47,12 +47,13 @@ def reset_peak() -> bool:
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-# While training, tensors of 1 MiB or more get their own mapping and go back to the OS when freed. With glibc's
-# default (a threshold that climbs to 32 MiB) freed activations stayed in the heap: on the 0.5 B benchmark
-# (docs/hf_scale.md) a bf16 stage peaked at 1.29-1.36x the memory model and an int8 stage at 1.46-1.56x;
-# with 1 MiB, 1.12-1.24x and 1.00-1.23x. Tokens/s, one run each: bf16 129 before, 129 and 106 after; int8 115
-# before, 105 and 100 after (a cost of up to ~10-15 % on CPU peers that these runs cannot tell from noise).
-TRAINING_MMAP_THRESHOLD = 1 << 20
+# While training, glibc's own ceiling for its dynamic threshold (as if untouched): freed activations of up to
+# 32 MiB stay in the heap, which costs resident memory but not time. A middle block of the 0.5 B benchmark
+# (5 layers, 3 micro-batches, one thread; docs/hf_scale.md) measured, threshold: seconds per step, peak over
+# the built block: 32 MiB 1.71-1.85 s, 578 MiB; 1 MiB 2.06-2.30 s, 516 MiB; 128 KiB 2.64-3.23 s, 386 MiB;
+# 4 KiB 2.64-2.69 s, 385 MiB (what autograd keeps: 365 MiB). A CPU peer pays 20-55 % in speed for any lower
+# threshold, so it keeps glibc's; the memory model counts live bytes, not the heap's slack (docs/SCALING.md).
+TRAINING_MMAP_THRESHOLD = 32 << 20
 _LIBC = None
 
 
