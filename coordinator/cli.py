@@ -17,6 +17,7 @@ from coordinator.run_settings import RunSettings, settings_record
 from coordinator.run_state import CoordinatorState, StateError, forget_run, load_state, settings_diff, state_path
 from coordinator.swarm_run import SwarmRun
 from swarm.config_file import enable_config, remove_join_file, write_join_file
+from swarm.dht.node import DHTStartError
 from swarm.logs import setup_logging
 from swarm.security.auth import load_or_create_token, parse_token
 from swarm.security.tls import TlsError, TlsIdentity, identity_from_options
@@ -168,7 +169,7 @@ def serve(
             )
         )
         membership.start()  # forks the DHT process: before any gRPC thread exists
-    except (ValueError, OSError, P2PDaemonError) as e:
+    except (ValueError, OSError, P2PDaemonError, DHTStartError) as e:
         typer.echo(f"error: {str(e).splitlines()[0]}", err=True)
         raise typer.Exit(2) from None
     try:

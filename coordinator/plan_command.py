@@ -125,25 +125,43 @@ def plan_report(
             compute = (cm.cost_cum[b] - cm.cost_cum[a]) * cm.inv_speed[i]
             recv, send = (cm.fwd[a] + cm.bwd[b]) * cm.inv_down[i], (cm.fwd[b] + cm.bwd[a]) * cm.inv_up[i]
             parts = {"compute": compute, "download": recv, "upload": send}
-            rows.append({
-                "stage": stage, "peer": pid, "replica": pid != block.peer_ids[0], "layers": [a, b],
-                "base_bytes": mem.base, "adapter_bytes": mem.adapters, "activation_bytes": mem.activations,
-                "ends_bytes": mem.ends, "total_bytes": mem.total, "memory_bytes": by_name[pid].memory,
-                "headroom_bytes": by_name[pid].memory - reserve - mem.total,
-                "seconds_per_micro_batch": float(compute + recv + send),
-                "compute_s": float(compute), "download_s": float(recv), "upload_s": float(send),
-                "limited_by": max(parts, key=parts.get), "stage_seconds": block.time,
-            })
+            rows.append(
+                {
+                    "stage": stage,
+                    "peer": pid,
+                    "replica": pid != block.peer_ids[0],
+                    "layers": [a, b],
+                    "base_bytes": mem.base,
+                    "adapter_bytes": mem.adapters,
+                    "activation_bytes": mem.activations,
+                    "ends_bytes": mem.ends,
+                    "total_bytes": mem.total,
+                    "memory_bytes": by_name[pid].memory,
+                    "headroom_bytes": by_name[pid].memory - reserve - mem.total,
+                    "seconds_per_micro_batch": float(compute + recv + send),
+                    "compute_s": float(compute),
+                    "download_s": float(recv),
+                    "upload_s": float(send),
+                    "limited_by": max(parts, key=parts.get),
+                    "stage_seconds": block.time,
+                }
+            )
     slow = placement.blocks[placement.bottleneck]
     slow_row = next(r for r in rows if r["peer"] == slow.peer_ids[0])
     tokens = settings.tokens
     return {
         "model": {"type": arch.model_type, "layers": arch.n_layers, "hidden": arch.hidden, "vocab": arch.vocab},
-        "settings": {**settings.__dict__, "lora_targets": list(settings.lora_targets), "wire_forward": wire_forward,
-                     "wire_backward": wire_backward, "reserve_bytes": reserve},
+        "settings": {
+            **settings.__dict__,
+            "lora_targets": list(settings.lora_targets),
+            "wire_forward": wire_forward,
+            "wire_backward": wire_backward,
+            "reserve_bytes": reserve,
+        },
         "stages": rows,
         "boundary_bytes_per_token": {
-            "forward": arch.hidden * CODEC_BYTES[wire_forward], "backward": arch.hidden * CODEC_BYTES[wire_backward]
+            "forward": arch.hidden * CODEC_BYTES[wire_forward],
+            "backward": arch.hidden * CODEC_BYTES[wire_backward],
         },
         "layer_flops_per_micro_batch": flops,
         "seconds_per_micro_batch": placement.bottleneck_time,
@@ -194,19 +212,41 @@ def _gib(x: float) -> str:
 def render(report: dict, console: Console) -> None:
     """The report as a rich table, then the boundary bytes, the pipeline's rate and its bottleneck."""
     s = report["settings"]
-    table = Table(title=f"{report['model']['type']} x{report['model']['layers']} layers, {s['dtype']} base, "
-                  f"quant {s['quant']}, LoRA r{s['lora_rank']}, micro-batch {s['micro_batch_size']}x{s['context']}, "
-                  f"{s['in_flight']} in flight" + (", checkpointing" if s["activation_checkpointing"] else ""))
-    for col in ("stage", "peer", "layers", "base GiB", "LoRA+Adam GiB", "activations GiB", "emb/head GiB",
-                "total GiB", "memory GiB", "headroom GiB", "s / micro-batch", "limited by"):
+    table = Table(
+        title=f"{report['model']['type']} x{report['model']['layers']} layers, {s['dtype']} base, "
+        f"quant {s['quant']}, LoRA r{s['lora_rank']}, micro-batch {s['micro_batch_size']}x{s['context']}, "
+        f"{s['in_flight']} in flight" + (", checkpointing" if s["activation_checkpointing"] else "")
+    )
+    for col in (
+        "stage",
+        "peer",
+        "layers",
+        "base GiB",
+        "LoRA+Adam GiB",
+        "activations GiB",
+        "emb/head GiB",
+        "total GiB",
+        "memory GiB",
+        "headroom GiB",
+        "s / micro-batch",
+        "limited by",
+    ):
         table.add_column(col, justify="left" if col in ("peer", "limited by") else "right")
     for r in report["stages"]:
         a, b = r["layers"]
         table.add_row(
-            str(r["stage"]) + (" (replica)" if r["replica"] else ""), r["peer"], f"{b - a} [{a},{b})",
-            _gib(r["base_bytes"]), _gib(r["adapter_bytes"]), _gib(r["activation_bytes"]), _gib(r["ends_bytes"]),
-            _gib(r["total_bytes"]), _gib(r["memory_bytes"]), _gib(r["headroom_bytes"]),
-            f"{r['seconds_per_micro_batch']:.3f}", r["limited_by"],
+            str(r["stage"]) + (" (replica)" if r["replica"] else ""),
+            r["peer"],
+            f"{b - a} [{a},{b})",
+            _gib(r["base_bytes"]),
+            _gib(r["adapter_bytes"]),
+            _gib(r["activation_bytes"]),
+            _gib(r["ends_bytes"]),
+            _gib(r["total_bytes"]),
+            _gib(r["memory_bytes"]),
+            _gib(r["headroom_bytes"]),
+            f"{r['seconds_per_micro_batch']:.3f}",
+            r["limited_by"],
         )
     console.print(table)
     per_token = report["boundary_bytes_per_token"]
@@ -227,8 +267,10 @@ def plan(
     model: Annotated[Path, typer.Option(help="A checkpoint directory or its config.json (no weights are read).")],
     peer: Annotated[
         list[str],
-        typer.Option(help="A PC: MEMORY,LINK[,NNtflops][,nat], e.g. 24GiB,100mbit or 12GiB,40mbit/10mbit (UP/DOWN); "
-                     f"compute defaults to {DEFAULT_TFLOPS:g} TFLOP/s effective (a 24 GB gaming GPU). Repeat per PC."),
+        typer.Option(
+            help="A PC: MEMORY,LINK[,NNtflops][,nat], e.g. 24GiB,100mbit or 12GiB,40mbit/10mbit (UP/DOWN); "
+            f"compute defaults to {DEFAULT_TFLOPS:g} TFLOP/s effective (a 24 GB gaming GPU). Repeat per PC."
+        ),
     ],
     dtype: Annotated[str, typer.Option(help="Compute dtype of the frozen base: bf16, fp16 or fp32.")] = "bf16",
     quant: Annotated[str, typer.Option(help="Frozen base storage: none, int8 or nf4.")] = "none",
@@ -246,8 +288,9 @@ def plan(
     """Predict the plan, memory per peer and tokens/s of a LoRA fine-tune over the PCs described."""
     try:
         if dtype not in mm.DTYPE_BYTES or quant not in BASE_QUANTS:
-            raise SpecError(f"--dtype {dtype} --quant {quant}: choose {'/'.join(mm.DTYPE_BYTES)} and "
-                            f"{'/'.join(BASE_QUANTS)}")
+            raise SpecError(
+                f"--dtype {dtype} --quant {quant}: choose {'/'.join(mm.DTYPE_BYTES)} and {'/'.join(BASE_QUANTS)}"
+            )
         for codec in (wire_forward, wire_backward):
             if codec not in CODEC_BYTES:
                 raise SpecError(f"unknown codec {codec!r}; choose {', '.join(CODEC_BYTES)}")
@@ -256,11 +299,25 @@ def plan(
         if arch.max_positions and ctx > arch.max_positions:
             raise SpecError(f"--context {ctx} exceeds the model's {arch.max_positions} positions")
         flight = in_flight or TrainConfig(micro_batch_size=micro_batch_size).in_flight_limit
-        settings = mm.Settings(dtype=dtype, quant=quant, lora_rank=lora_rank, micro_batch_size=micro_batch_size,
-                               context=ctx, in_flight=flight, activation_checkpointing=activation_checkpointing)
+        settings = mm.Settings(
+            dtype=dtype,
+            quant=quant,
+            lora_rank=lora_rank,
+            micro_batch_size=micro_batch_size,
+            context=ctx,
+            in_flight=flight,
+            activation_checkpointing=activation_checkpointing,
+        )
         peers = [parse_peer(p) for p in peer]
-        report = plan_report(arch, settings, peers, wire_forward=wire_forward, wire_backward=wire_backward,
-                             stages=stages, reserve=reserve * (1 << 30))
+        report = plan_report(
+            arch,
+            settings,
+            peers,
+            wire_forward=wire_forward,
+            wire_backward=wire_backward,
+            stages=stages,
+            reserve=reserve * (1 << 30),
+        )
     except PlacementError as exc:
         typer.echo(f"ravn plan: no plan fits: {exc}", err=True)
         raise typer.Exit(1) from None

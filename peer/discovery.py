@@ -17,7 +17,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.config import PROTOCOL_VERSION
 from swarm.dht.keys import load_public_key
-from swarm.dht.node import OwnedDHT
+from swarm.dht.node import DHTStartError, OwnedDHT
 from swarm.dht.records import announce_peer, dht_record_validators, fetch_plan, withdraw_peer
 from swarm.dht.schema import PeerRecord, Plan, validate_swarm_name
 from swarm.dht.signing import new_key
@@ -82,7 +82,7 @@ class Discovery:
         """
         try:
             self._start_node(client_mode)
-        except P2PDaemonError as e:
+        except (P2PDaemonError, DHTStartError) as e:
             raise DiscoveryError(
                 f"cannot reach any initial peer ({self._initial_peers_text()}): {_first_line(e)}; "
                 "check the address and that the coordinator runs"
@@ -118,7 +118,7 @@ class Discovery:
                 if attempt > 1:
                     log.info("DHT node restarted as a client (attempt %d)", attempt)
                 return
-            except P2PDaemonError as e:
+            except (P2PDaemonError, DHTStartError) as e:
                 reason = f"{_first_line(e)} (initial peers: {self._initial_peers_text()})"
             if time.monotonic() + delay > deadline:
                 raise DiscoveryError(

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import hivemind
 import pytest
 
 from coordinator.membership import Membership, MembershipSettings
 from swarm.config import PROTOCOL_VERSION
+from swarm.dht.node import OwnedDHT
 from swarm.dht.records import announce_peer, dht_record_validators, withdraw_peer
 from swarm.dht.signing import KeyPins, RecordSignatureError, new_key, sign_record, verify_record
 from tests.test_dht_records import LOCALHOST, make_record
@@ -53,7 +53,7 @@ def test_membership_on_a_real_dht_ignores_unsigned_and_forged_records(tmp_path: 
     membership.start()
     node = None
     try:
-        node = hivemind.DHT(
+        node = OwnedDHT(
             initial_peers=membership.maddrs(),
             start=True,
             host_maddrs=LOCALHOST,

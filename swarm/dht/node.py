@@ -14,18 +14,35 @@ Our nodes therefore dial from ephemeral ports; nothing here uses port reuse (no 
 The parent-death signal follows the thread that forked, not the process: a node started from a worker
 thread (``asyncio.to_thread``) would die when that thread ends, and every later call would hang. So a
 node starts only from the main thread.
+
+Every DHT child answers its owner through hivemind's ``MPFuture``, whose writes to the owner's one pipe
+are serialised by a lock shared by all processes the owner forked. A child killed while it holds that
+lock leaves it held for good, and every later node of that owner then waits for it before it can say
+"ready": a peer's restart as a NAT client, or the next test in one pytest process, hung forever on
+this. So a child's SIGTERM exits between its event loop's callbacks, never mid-write; the owner waits
+for "ready" with a deadline, and a lock found stuck after it is replaced, so that the next start works.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
 from pathlib import Path
 
 import hivemind
+from hivemind.utils.mpfuture import MPFuture
 
 from swarm.lifecycle import arm_parent_death_signal
+
+READY_TIMEOUT_S = 60.0  # p2pd's own start deadline is 15 s; bootstrapping on a loaded machine takes more
+LOCK_PROBE_S = 2.0  # a healthy child holds the update lock for one pipe write
+SIGTERM_GRACE_S = 5.0
+
+
+class DHTStartError(RuntimeError):
+    """The DHT process did not become ready in time (it was killed)."""
 
 
 def _children(pid: int) -> list[int]:
@@ -40,7 +57,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _terminate_children_and_exit(signum: int, frame: object) -> None:
+def _kill_children_and_exit() -> None:
     for child in _children(os.getpid()):
         try:
             os.kill(child, signal.SIGKILL)
@@ -49,12 +66,64 @@ def _terminate_children_and_exit(signum: int, frame: object) -> None:
     os._exit(0)
 
 
+def _exit_between_callbacks(signum: int, frame: object) -> None:
+    """SIGTERM in the DHT process: exit once the running callback returns, never inside one.
+
+    hivemind writes a result to the owner's pipe under the shared lock within one callback of this
+    process's event loop, so between callbacks the lock is never ours. A process whose loop is stuck
+    is killed after a grace period all the same.
+    """
+    backstop = threading.Timer(SIGTERM_GRACE_S, _kill_children_and_exit)
+    backstop.daemon = True
+    backstop.start()
+    try:
+        asyncio.get_running_loop().call_soon(_kill_children_and_exit)
+    except RuntimeError:  # the loop is not running yet, or no longer: nothing of hivemind's is mid-write
+        _kill_children_and_exit()
+
+
+def _kill_tree(pid: int) -> None:
+    for child in _children(pid):
+        _kill_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class OwnedDHT(hivemind.DHT):
     """``hivemind.DHT`` that never outlives its owner."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, ready_timeout: float = READY_TIMEOUT_S, **kwargs: object) -> None:
         self._owner_pid = os.getpid()
+        self._ready_timeout = ready_timeout
         super().__init__(*args, **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """Start the process; with ``await_ready``, wait for it at most ``timeout`` (or the node's
+        ``ready_timeout``) seconds, else kill it and raise ``DHTStartError``."""
+        self.start()
+        if not await_ready:
+            return
+        limit = self._ready_timeout if timeout is None else timeout
+        try:
+            self.wait_until_ready(limit)
+        except TimeoutError:
+            pid = self.pid
+            if pid is not None:
+                _kill_tree(pid)
+            self.join(5.0)
+            stuck = not MPFuture._update_lock.acquire(timeout=LOCK_PROBE_S)
+            if stuck:  # held by a dead child: no process of ours can report to us until it is replaced
+                MPFuture.reset_backend()
+            else:
+                MPFuture._update_lock.release()
+            why = (
+                "hivemind's update lock was left held by a killed DHT process (replaced: a new start works)"
+                if stuck
+                else "its process did not report (killed)"
+            )
+            raise DHTStartError(f"the DHT node did not become ready within {limit:.0f} s: {why}") from None
 
     def start(self) -> None:  # forks the DHT process
         if threading.current_thread() is not threading.main_thread():
@@ -64,7 +133,7 @@ class OwnedDHT(hivemind.DHT):
         super().start()
 
     def run(self) -> None:  # runs in the forked DHT process
+        signal.signal(signal.SIGTERM, _exit_between_callbacks)
         arm_parent_death_signal(self._owner_pid)
-        signal.signal(signal.SIGTERM, _terminate_children_and_exit)
         os.environ["LIBP2P_TCP_REUSEPORT"] = "false"  # read by the p2pd this process starts (see above)
         super().run()
