@@ -88,11 +88,43 @@ def run_one(variant: Variant, seed: int, args: argparse.Namespace, runs_dir: Pat
     summary = next(m for m in metrics if m["kind"] == "summary")
     evals = [(m["step"], m["loss"]) for m in metrics if m["kind"] == "eval"]
     plan = next((line.removeprefix("plan: ") for line in stdout.splitlines() if line.startswith("plan: ")), "")
-    print(f"  {variant.label} seed {seed}: val {summary['final_val_loss']:.4f} ({plan})", flush=True)
+    unsplit = unsplit_val_loss(runs_dir / name)
+    print(
+        f"  {variant.label} seed {seed}: val {summary['final_val_loss']:.4f} through the wire, "
+        f"{unsplit:.4f} unsplit fp32 ({plan})",
+        flush=True,
+    )
     return {
         "variant": variant.label, "pair": variant.pair, "feedback": variant.feedback, "seed": seed,
-        "wall_s": time.monotonic() - t0, "evals": evals, "plan": plan, **summary,
+        "wall_s": time.monotonic() - t0, "evals": evals, "plan": plan, "unsplit_val_loss": unsplit, **summary,
     }  # fmt: skip
+
+
+def unsplit_val_loss(run_dir: Path) -> float:
+    """The saved model's validation loss in one process, fp32, no wire: training damage without the codec's
+    evaluation noise (the swarm's own validation runs through the activation codec)."""
+    import torch
+
+    from swarm.train.checkpoint import load_checkpoint
+    from swarm.train.data import Corpus
+
+    train = json.loads((run_dir / "config.json").read_text())["train"]
+    model, cfg = load_checkpoint(run_dir / "model.safetensors")
+    corpus = Corpus.load(train["data"])
+    total = tokens = 0.0
+    with torch.no_grad():
+        for index in range(train["eval_batches"]):
+            x, y = corpus.batch(
+                split="val",
+                seed=train["data_seed"],
+                step=0,
+                index=index,
+                batch_size=train["micro_batch_size"],
+                context=cfg.context,
+            )
+            total += float(model.loss_sum(model(x), y))
+            tokens += y.numel()
+    return total / tokens
 
 
 def _has_summary(metrics_file: Path) -> bool:
@@ -104,9 +136,11 @@ def table(results: list[dict], labels: list[str]) -> list[str]:
     rows = {label: [r for r in results if r["variant"] == label] for label in labels}
     base_label = next((label for label in labels if label == "fp32/fp32"), labels[0])
     base = statistics.fmean(r["final_val_loss"] for r in rows[base_label])
+    base_unsplit = statistics.fmean(r["unsplit_val_loss"] for r in rows[base_label])
     lines = [
-        f"| variant | seeds | tokens | val loss mean | std | min..max | vs {base_label} | per seed | bytes/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        f"| variant | seeds | tokens | val loss mean | std | min..max | vs {base_label} | per seed "
+        f"| unsplit fp32 mean | vs {base_label} | bytes/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for label, rs in rows.items():
         losses = [r["final_val_loss"] for r in rs]
@@ -114,9 +148,11 @@ def table(results: list[dict], labels: list[str]) -> list[str]:
         std = f"{statistics.stdev(losses):.4f}" if len(losses) > 1 else "–"
         per_seed = ", ".join(f"s{r['seed']} {r['final_val_loss']:.4f}" for r in rs)
         wire = statistics.fmean(r["wire_bytes_per_token"] for r in rs)
+        unsplit = statistics.fmean(r["unsplit_val_loss"] for r in rs)
         lines.append(
             f"| {label} | {len(rs)} | {rs[0]['tokens']:,} | {mean:.4f} | {std} | {min(losses):.4f}..{max(losses):.4f} "
-            f"| {(mean - base) / base * 100:+.2f}% | {per_seed} | {wire:,.0f} |"
+            f"| {(mean - base) / base * 100:+.2f}% | {per_seed} | {unsplit:.4f} "
+            f"| {(unsplit - base_unsplit) / base_unsplit * 100:+.2f}% | {wire:,.0f} |"
         )
     return lines
 
