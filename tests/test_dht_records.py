@@ -44,6 +44,7 @@ from swarm.dht.multiaddrs import (
     multiaddr_to_grpc_target,
     parse_endpoint,
 )
+from swarm.dht.node import OwnedDHT
 from swarm.dht.records import (
     PlanVerificationError,
     announce_peer,
@@ -346,18 +347,18 @@ def attacker_key():
 
 @pytest.fixture(scope="module")
 def nodes(coordinator_key, attacker_key) -> Iterator[Nodes]:
-    started: list[hivemind.DHT] = []
+    started: list[OwnedDHT] = []
     try:
-        coordinator = hivemind.DHT(
+        coordinator = OwnedDHT(
             start=True, host_maddrs=LOCALHOST, record_validators=dht_record_validators(coordinator_key)
         )
         started.append(coordinator)
         bootstrap = coordinator.get_visible_maddrs()
-        peer = hivemind.DHT(
+        peer = OwnedDHT(
             initial_peers=bootstrap, start=True, host_maddrs=LOCALHOST, record_validators=dht_record_validators()
         )
         started.append(peer)
-        attacker = hivemind.DHT(
+        attacker = OwnedDHT(
             initial_peers=bootstrap,
             start=True,
             host_maddrs=LOCALHOST,

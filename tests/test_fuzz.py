@@ -37,6 +37,7 @@ import random
 import time
 
 import grpc
+import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
@@ -238,6 +239,7 @@ async def fuzz_stream(channel, tally: Tally, family: str, messages: list, *, raw
     tally.add(family, sent, code, details)
 
 
+@pytest.mark.slow  # a whole swarm for a minute or more: keeps the default suite well under 10 minutes (CI)
 def test_live_peer_survives_fuzzing_and_still_computes_correct_gradients() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: the compute thread must not fight the event loop

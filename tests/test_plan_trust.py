@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
@@ -12,6 +11,7 @@ from coordinator.membership import Membership, MembershipSettings, make_plan
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
 from swarm.config import PROTOCOL_VERSION
 from swarm.dht.keys import generate_private_key, plan_subkey
+from swarm.dht.node import OwnedDHT
 from swarm.dht.records import dht_record_validators, publish_plan, seal_plan
 from swarm.dht.schema import plan_key
 
@@ -39,7 +39,7 @@ def swarm(tmp_path_factory):
     )
     membership.start()
     forger_key = generate_private_key()
-    forger = hivemind.DHT(
+    forger = OwnedDHT(
         start=True, initial_peers=membership.maddrs(), record_validators=dht_record_validators(forger_key)
     )
     disc = Discovery(

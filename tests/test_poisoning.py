@@ -20,7 +20,8 @@ POISON_AFTER = 12  # the poisoned peer's block has taken this many optimizer ste
 EVAL_BATCHES = 4  # paired with the step-11 validation, one batch's loss change varies by ~0.1 (measured)
 
 
-@pytest.mark.parametrize("mode", ["scale", pytest.param("nan", marks=pytest.mark.slow)])  # nan: also unit-tested
+@pytest.mark.slow  # a whole swarm for over a minute; the exclusion rule is unit-tested in the default suite
+@pytest.mark.parametrize("mode", ["scale", "nan"])
 def test_a_poisoning_peer_is_excluded_and_the_loss_keeps_falling(tmp_path: Path, mode: str) -> None:
     name = f"poison-{mode}"
     proc = Proc(

@@ -8,6 +8,8 @@ import re
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ravn_cmd, read_metrics
 from tests.swarm_procs import Proc, descendants
 
@@ -31,6 +33,7 @@ def block_sizes(plan_text: str) -> list[int]:
     return [int(b) - int(a) for a, b in re.findall(r"layers\[(\d+),(\d+)\)", plan_text)]
 
 
+@pytest.mark.slow  # a whole swarm for a minute or more: keeps the default suite well under 10 minutes (CI)
 def test_sigkill_of_a_middle_peer_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
     proc = Proc(
         ravn_cmd(

@@ -50,6 +50,7 @@ def _replicas(proc: Proc) -> list[str]:
     return sorted(p for p, b in blocks.items() if b == middle)
 
 
+@pytest.mark.slow  # a whole swarm for a minute or more: keeps the default suite well under 10 minutes (CI)
 def test_replicas_share_the_middle_block_and_agree_after_averaging(tmp_path: Path) -> None:
     proc = _local(
         tmp_path, "rep", "--steps", str(STEPS), "--eval-every", "6", "--average-every", "2", "--average-codec", "fp32"
