@@ -102,11 +102,14 @@ def quantize(
     block_size: int,
     rotation: BlockRotation | None = None,
     scale_dtype: torch.dtype = torch.float16,
+    payload: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a flat contiguous float tensor; returns ``(payload, scales)`` on its device.
 
     ``payload`` is int8 (``bits=8``) or packed uint8 (``bits=4``); ``scales`` is ``scale_dtype`` (fp16,
-    or fp32 for values beyond fp16 scales), one per block.
+    or fp32 for values beyond fp16 scales), one per block. A ``payload`` passed in (of that dtype and
+    :func:`payload_nbytes` elements, e.g. the memory of the ``bytes`` that will travel) is filled instead
+    of a new one.
     Non-finite input is not refused here: it shows up as non-finite scales, which the caller checks.
     """
     n = flat.numel()
@@ -115,7 +118,8 @@ def quantize(
     tail = n - full * block_size
     levels = LEVELS[bits]
     scales = torch.empty(full + (1 if tail else 0), dtype=scale_dtype, device=device)
-    payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
+    if payload is None:
+        payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
     offset = torch.full((), _ROUND_MAGIC + (8 if bits == 4 else 0), device=device)
     floor = torch.full((), _SCALE_FLOOR, device=device)
     rotated = rotation is not None
