@@ -1,7 +1,7 @@
 """The wire format is pinned: encodings (and decodings) must stay byte for byte those of the reference.
 
-The table below was produced by the codecs as of commit 4c7e17a, before the speed work of issue #19
-(``/tmp/gold/gen.py`` then; the generator is :func:`golden_input` plus the loop in the test). Any
+The table below was produced by the codecs as of commit 4c7e17a, before the speed work of issue #19,
+with :func:`golden_input` and the same digests as the test computes. Any
 change in the bytes an encoder produces, or in the values a decoder returns, breaks peers running
 the other version, so a speed-up must reproduce every digest here. Inputs are built from SplitMix64
 integers rather than ``torch.randn``, so they do not depend on the torch build or the CPU's ISA.
