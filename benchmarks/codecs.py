@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from swarm.wire import kernels
 from swarm.wire.codecs import decode, encode
 
 CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
@@ -269,7 +268,6 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"})
 
     torch.set_num_threads(args.threads)
-    kernels.warm_up()  # numba's compile / cache load, outside every timed call
     numel = args.mib * (1 << 20) // 4
     tensors = {"activations": activation_like(numel), "gradients": gradient_like(numel)}
     rows: list[Row] = []
@@ -283,7 +281,7 @@ def main() -> None:
         f"{args.mib} MiB float32 tensors, block {args.block_size}, {args.threads} thread(s), median (and best) "
         f"of {args.repeats}, {args.clock} clock; "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, "
-        f"numba kernels {'on' if kernels.AVAILABLE else 'off'}; torch {torch.__version__}, "
+        f"torch {torch.__version__}, "
         f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f}"
     )
     print_table(rows, header)

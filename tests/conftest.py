@@ -13,14 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _codec_kernels_compiled() -> None:
-    """numba compiles (or loads from its cache) the codec kernels here, never inside a timed test."""
-    from swarm.wire import kernels
-
-    kernels.warm_up()
-
-
 def ravn_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "coordinator.ravn_cli", *args]
 

@@ -32,10 +32,8 @@ import functools
 import math
 import threading
 
-import numpy as np
 import torch
 
-from swarm.wire import kernels
 from swarm.wire.hadamard import BlockRotation
 
 LEVELS = {8: 127, 4: 7}
@@ -134,18 +132,14 @@ def quantize(
         # One split per array up front: the loop body is then only the vectorised kernels.
         xs = flat[: full * block_size].view(full, block_size).split(rows)
         dests = payload[: full * block_size * bits // 8].split(rows * block_size * bits // 8)
-        fused = kernels.AVAILABLE and device.type == "cpu"
         for x, dest, s in zip(xs, dests, scales[:full].split(rows), strict=True):
             k = x.shape[0]
             if x.dtype != torch.float32:
                 x = a[:k].copy_(x)
             if rotated:
                 x = rotation.forward(x, b[:k], c[:k])  # lands in b or c, never a
-            if fused:
-                _quantize_rows_fused(x, levels, gain, floor, s, dest, vec[:k])
-            else:
-                abuf = a[:k] if rotated else b[:k]
-                _quantize_rows(x, levels, gain, floor, offset, s, dest, abuf, vec[:k])
+            abuf = a[:k] if rotated else b[:k]
+            _quantize_rows(x, levels, gain, floor, offset, s, dest, abuf, vec[:k])
     if tail:
         x = flat[full * block_size :].view(1, tail).float()
         dest = payload[_tail_bytes(full * block_size, bits)]
@@ -187,32 +181,13 @@ def _scales_from_absmax(
 ) -> None:
     """Row absmax in ``vec`` -> scales in ``scales_out``; ``vec`` becomes ``gain / scale``, the multiplier.
 
-    Shared by both paths and always torch, on the same row slices, so the fp16 rounding of every scale
-    (and torch's choice of fused or unfused multiply-add inside ``add``) is the same whichever path ran.
+    The fp16 rounding of these scales decides every byte on the wire (pinned by tests/test_codec_golden.py).
     """
     torch.add(floor, vec, alpha=gain * _SCALE_MARGIN / levels, out=vec)
     scales_out.copy_(vec)  # round to fp16 (or fp32): >= absmax / L, > 0 (inf if it overflows fp16)
     vec.copy_(scales_out).reciprocal_()  # 1 / the scale the receiver will see
     if gain != 1.0:
         vec.mul_(gain)
-
-
-def _quantize_rows_fused(
-    x: torch.Tensor,
-    levels: int,
-    gain: float,
-    floor: torch.Tensor,
-    scales_out: torch.Tensor,
-    dest: torch.Tensor,
-    vec: torch.Tensor,
-) -> None:
-    """:func:`_quantize_rows` with numba kernels: one pass for the absmax, one to round and narrow/pack."""
-    kernels.row_absmax(x.numpy().view(np.int32), vec.numpy().view(np.int32))
-    _scales_from_absmax(vec, levels, gain, floor, scales_out)
-    if dest.dtype == torch.int8:
-        kernels.quantize_int8(x.numpy(), vec.numpy(), dest.numpy())
-    else:
-        kernels.quantize_int4(x.numpy(), vec.numpy(), dest.numpy())
 
 
 def _pack_nibbles(ints: torch.Tensor, dest: torch.Tensor) -> None:
@@ -259,15 +234,10 @@ def dequantize(
             scales[:full] /= math.sqrt(block_size)
         outs = out[: full * block_size].view(full, block_size).split(rows)
         srcs = payload[: full * block_size * bits // 8].split(rows * block_size * bits // 8)
-        fused = kernels.AVAILABLE and device.type == "cpu"
         for o, src, s in zip(outs, srcs, scales[:full].split(rows), strict=True):
             k = o.shape[0]
             w = o if direct else a[:k]
-            if fused:
-                kernel = kernels.dequantize_int8 if bits == 8 else kernels.dequantize_int4
-                kernel(src.numpy(), s.numpy(), w.numpy())
-            else:
-                _dequantize_rows(src, s, w, table, index)
+            _dequantize_rows(src, s, w, table, index)
             if rotation is not None:
                 r = rotation.inverse(w, o if dtype == torch.float32 else b[:k], c[:k])
                 if r is not o:
