@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.wire import quantize
+from swarm.wire import bytes_out, quantize
 from swarm.wire.hadamard import BlockRotation, is_power_of_two
 
 FLOAT_CODECS = ("fp32", "fp16", "bf16")
@@ -76,8 +76,17 @@ def numel_of(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _to_bytes(x: torch.Tensor) -> bytes:
-    return x.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+_to_bytes = bytes_out.tensor_bytes
+
+
+def _cast_to_bytes(x: torch.Tensor, storage: torch.dtype) -> bytes:
+    """``x`` converted to ``storage`` and laid out as bytes in one pass (no converted tensor in between)."""
+    x = x.detach().reshape(-1)
+    data, view = bytes_out.new_bytes(x.numel() * storage.itemsize)
+    if view is None:
+        return _to_bytes(x.to(storage))
+    view.view(storage).copy_(x)
+    return data
 
 
 _frombuffer_warning_consumed = False
@@ -156,23 +165,29 @@ def encode(
                 f"values beyond fp16's range (absmax {float(x.detach().abs().max()):.3g} > {FP16_MAX:g}) "
                 "would arrive as Inf; use bf16, fp32 or an integer codec for this direction"
             )
-        return EncodedTensor(codec, shape, x.dtype, _to_bytes(x.to(_STORAGE_DTYPE[codec])))
+        return EncodedTensor(codec, shape, x.dtype, _cast_to_bytes(x, _STORAGE_DTYPE[codec]))
     bits = _check_quant_params(codec, block_size, seed)
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     rotation = BlockRotation(seed, block_size, flat.device) if codec == "int4_rot" else None
-    payload, scales = quantize.quantize(flat, bits, block_size, rotation)
+    # On CPU the payload is written straight into the bytes that travel (no tensor, then a copy).
+    data, view = bytes_out.new_bytes(quantize.payload_nbytes(flat.numel(), bits)) if flat.is_cpu else (b"", None)
+    out = None if view is None else view.view(torch.int8) if bits == 8 else view
+    payload, scales = quantize.quantize(flat, bits, block_size, rotation, payload=out)
     if scales.numel() and not bool(torch.isfinite(scales).all()):
         if not _all_finite(flat):
             raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
         # too large for fp16 scales (int4 near 4.6e5): the same layout with fp32 scales, still exact in range
-        payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32)
+        payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32, payload=out)
+    if view is None:
+        data = _to_bytes(payload)
+    del payload, out, view  # nothing may write into ``data`` once it is shared
     return EncodedTensor(
         codec,
         shape,
         x.dtype,
-        _to_bytes(payload),
+        data,
         scales=_to_bytes(scales),
         block_size=block_size,
         seed=seed if codec == "int4_rot" else 0,

@@ -100,11 +100,14 @@ def quantize(
     block_size: int,
     rotation: BlockRotation | None = None,
     scale_dtype: torch.dtype = torch.float16,
+    payload: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a flat contiguous float tensor; returns ``(payload, scales)`` on its device.
 
     ``payload`` is int8 (``bits=8``) or packed uint8 (``bits=4``); ``scales`` is ``scale_dtype`` (fp16,
-    or fp32 for values beyond fp16 scales), one per block.
+    or fp32 for values beyond fp16 scales), one per block. A ``payload`` passed in (of that dtype and
+    :func:`payload_nbytes` elements, e.g. the memory of the ``bytes`` that will travel) is filled instead
+    of a new one.
     Non-finite input is not refused here: it shows up as non-finite scales, which the caller checks.
     """
     n = flat.numel()
@@ -113,7 +116,8 @@ def quantize(
     tail = n - full * block_size
     levels = LEVELS[bits]
     scales = torch.empty(full + (1 if tail else 0), dtype=scale_dtype, device=device)
-    payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
+    if payload is None:
+        payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
     offset = torch.full((), _ROUND_MAGIC + (8 if bits == 4 else 0), device=device)
     floor = torch.full((), _SCALE_FLOOR, device=device)
     rotated = rotation is not None
@@ -162,11 +166,7 @@ def _quantize_rows(
     """
     torch.abs(x, out=abuf)
     torch.amax(abuf, dim=1, out=vec)
-    torch.add(floor, vec, alpha=gain * _SCALE_MARGIN / levels, out=vec)
-    scales_out.copy_(vec)  # round to fp16 (or fp32): >= absmax / L, > 0 (inf if it overflows fp16)
-    vec.copy_(scales_out).reciprocal_()  # 1 / the scale the receiver will see
-    if gain != 1.0:
-        vec.mul_(gain)
+    _scales_from_absmax(vec, levels, gain, floor, scales_out)
     torch.mul(x, vec[:, None], out=abuf)
     abuf.add_(offset)  # offset + round(x * gain / s) in the low bits (one addcmul is 3x slower on CPU)
     ints = abuf.view(torch.int32).view(-1)
@@ -174,6 +174,20 @@ def _quantize_rows(
         dest.copy_(ints)  # int32 -> int8 keeps the low byte: the two's complement of the rounded value
     else:
         _pack_nibbles(ints, dest)
+
+
+def _scales_from_absmax(
+    vec: torch.Tensor, levels: int, gain: float, floor: torch.Tensor, scales_out: torch.Tensor
+) -> None:
+    """Row absmax in ``vec`` -> scales in ``scales_out``; ``vec`` becomes ``gain / scale``, the multiplier.
+
+    The fp16 rounding of these scales decides every byte on the wire (pinned by tests/test_codec_golden.py).
+    """
+    torch.add(floor, vec, alpha=gain * _SCALE_MARGIN / levels, out=vec)
+    scales_out.copy_(vec)  # round to fp16 (or fp32): >= absmax / L, > 0 (inf if it overflows fp16)
+    vec.copy_(scales_out).reciprocal_()  # 1 / the scale the receiver will see
+    if gain != 1.0:
+        vec.mul_(gain)
 
 
 def _pack_nibbles(ints: torch.Tensor, dest: torch.Tensor) -> None:
