@@ -85,12 +85,20 @@ def wire_policy(
     version: Callable[[], int] = lambda: 0,
     *,
     error_feedback: bool = False,
+    backward_to: dict[str, str] | None = None,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
+    per_link = dict(backward_to or {})
     if not poison:
-        return WirePolicy(forward=forward, backward=backward, error_feedback=error_feedback)
+        return WirePolicy(forward=forward, backward=backward, error_feedback=error_feedback, backward_to=per_link)
     if poison not in POISON_MODES:
         raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
     return PoisonedPolicy(
-        forward=forward, backward=backward, error_feedback=error_feedback, mode=poison, after=after, version=version
+        forward=forward,
+        backward=backward,
+        error_feedback=error_feedback,
+        backward_to=per_link,
+        mode=poison,
+        after=after,
+        version=version,
     )
