@@ -22,6 +22,7 @@ from coordinator.progress import Progress
 from coordinator.run_settings import NoPlanFits, RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
 from coordinator.wire_choice import choose_links
+from swarm.config import WIRE_AUTO
 from swarm.dht.plan_view import plan_view
 from swarm.dht.records import seal_plan
 from swarm.dht.schema import PeerRecord, Plan
@@ -121,6 +122,14 @@ class Planning:
 
     def publishable(self, stages: Stages) -> Plan:
         self.plan_version += 1
+        links = self.links(stages)
+        if WIRE_AUTO in (self.s.train.wire_forward, self.s.train.wire_backward):
+            for x in links:
+                self.progress.message(
+                    f"link {x['upstream']} -> {x['downstream']} (stage {x['boundary']} -> {x['boundary'] + 1}): "
+                    f"forward {x['forward']} ({x['forward_reason']}, {x['forward_mbit_s']:,.1f} Mbit/s), "
+                    f"backward {x['backward']} ({x['backward_reason']}, {x['backward_mbit_s']:,.1f} Mbit/s)"
+                )
         return make_plan(
             reachable=self.reachable,
             fingerprints=self.fingerprints,
@@ -133,7 +142,7 @@ class Planning:
             coordinator=self.control_endpoint,
             stages=stages,
             layer=planned_layer(self.s.model, self.s.train, self.s.hf),
-            links=self.links(stages),
+            links=links,
         )
 
     # ---- making a plan and an Assignment (the placement rule the runtime uses) --------------------
