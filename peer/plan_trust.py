@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from hivemind.utils.crypto import RSAPublicKey
 
+from swarm.config import WIRE_AUTO
 from swarm.dht.plan_view import PlanView, PlanViewError, plan_view, wire_codecs
 from swarm.dht.records import PLAN_ENVELOPE_VERSION, PlanVerificationError, verify_plan
 from swarm.dht.schema import Plan
-from swarm.messages import train_from_pb
 from swarm.pb import control_pb2 as cpb
-from swarm.wire.packets import WireError
 
 
 class AssignmentError(ValueError):
@@ -40,11 +39,9 @@ class PlanTrust:
             plan = verify_plan(envelope, self.swarm, self.key)
         except PlanVerificationError as e:
             raise AssignmentError(f"the assignment's plan is not signed by the trusted coordinator: {e}") from None
-        try:
-            train = train_from_pb(a.train)
-        except (WireError, ValueError) as e:
-            raise AssignmentError(f"the assignment's training recipe is invalid: {e}") from None
-        return self.check(plan, a.run_id, wire=(train.wire_forward, train.wire_backward))
+        # only what the run left to the plan matters here: the rest of the recipe is read when the block is built
+        wire = tuple(WIRE_AUTO if auto else "" for auto in (a.train.wire_forward_auto, a.train.wire_backward_auto))
+        return self.check(plan, a.run_id, wire=wire)
 
     def check(self, plan: Plan, run_id: str, *, wire: tuple[str, str] | None = None) -> PlanView:
         """Run and version checks of a verified plan, and (``wire``: the run's two codec choices) that it

@@ -11,9 +11,10 @@ from coordinator.membership import make_plan
 from peer.plan_trust import AssignmentError, PlanTrust
 from swarm.config import TrainConfig
 from swarm.dht.plan_view import PlanViewError, plan_view, wire_codecs
-from swarm.messages import train_to_pb
+from swarm.messages import train_from_pb, train_to_pb
 from swarm.pb import wire_pb2 as pb
 from swarm.wire.codec_policy import WirePolicy
+from swarm.wire.packets import WireError
 from tests.sealed_plans import COORDINATOR_KEY, SWARM, assignment
 
 
@@ -92,8 +93,8 @@ def test_an_auto_assignment_whose_plan_names_no_link_is_refused_before_acting() 
     assert view.sends_forward == "bf16" and view.sends_backward == {"a": "bf16"}
     bad = train_to_pb(TrainConfig(wire_forward="auto"))
     bad.wire_forward = pb.INT8  # both auto and a codec: contradictory
-    with pytest.raises(AssignmentError, match="both --wire-forward auto and a codec"):
-        trust("b").accept(assignment(STAGES, run_id="r", version=2, train=bad, plan_kw={"links": LINKS}))
+    with pytest.raises(WireError, match="both --wire-forward auto and a codec"):
+        train_from_pb(bad)
 
 
 def test_the_policy_encodes_each_gradient_with_its_destinations_codec() -> None:
