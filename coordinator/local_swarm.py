@@ -95,6 +95,7 @@ async def run_local(
     poison_peer: str = "",
     crash_at_checkpoint: str = "",
     peer_memory: str = "",
+    slow_uplink: str = "",
 ) -> int:
     """Coordinate a run with ``settings.peers`` local peer processes; returns the exit code."""
     run = SwarmRun(settings, membership)
@@ -131,6 +132,8 @@ async def run_local(
             extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
             extra += ["--debug-slow-stage", slow_stage] if slow_stage else []
             extra += ["--debug-crash-at-checkpoint", crash_at_checkpoint] if crash_at_checkpoint else []
+            if slow_uplink.startswith(f"{i}:"):  # INDEX:MBIT
+                extra += ["--debug-uplink-mbit", slow_uplink.split(":")[1]]
             if poison_peer.startswith(f"{i}:"):  # INDEX:MODE:STEPS
                 _, mode, after = poison_peer.split(":")
                 extra += ["--debug-poison", mode, "--debug-poison-after", after]

@@ -121,12 +121,14 @@ def make_plan(
     model_name: str,
     coordinator: str,
     stages: list[tuple[int, int, list[tuple[str, str]]]],
+    links: list[dict] | None = None,
 ) -> Plan:
     """A plan from (layer_start, layer_end, [(peer_id, endpoint), ...]) per stage; ``fingerprints``: the
     TLS certificate each peer's record announced, which its neighbours pin (signed with the plan);
     ``public_keys``: the key each peer's record is signed with (pinned at join), which signs its calls;
     ``coordinator_tls_fingerprint``: the Control service's certificate, which every peer pins ("" in clear);
-    ``layer``: the layer peers measure their speed on."""
+    ``layer``: the layer peers measure their speed on; ``links``: each link's codecs (``schema.PlanLink``
+    fields; none: every link sends the run's codecs)."""
     return Plan.model_validate(
         {
             "swarm": swarm,
@@ -155,5 +157,6 @@ def make_plan(
                 }
                 for a, b, peers in stages
             ],
+            "links": list(links or []),
         }
     )

@@ -16,9 +16,14 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from swarm.config import BASE_QUANTS, MODEL_PRESETS, SCHEDULES, HFConfig, ModelConfig, TrainConfig
+from swarm.config import BASE_QUANTS, MODEL_PRESETS, SCHEDULES, WIRE_AUTO, HFConfig, ModelConfig, TrainConfig
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
+WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
+# The one place the run's wire codecs default: int4_rot/int8 costs about 2% of loss (docs/codecs.md). To be
+# flipped to WIRE_AUTO once a loss measurement of auto says so; ``ravn plan`` reads the same defaults.
+DEFAULT_WIRE_FORWARD = "int4_rot"
+DEFAULT_WIRE_BACKWARD = "int8"
 ON_OFF = ("on", "off")
 
 
@@ -210,17 +215,17 @@ def _train_params(
     wire_forward: Annotated[
         str,
         typer.Option(
-            help=f"Codec for activations: {', '.join(WIRE_CODECS)}.",
-            callback=lambda v: _check_choice(v, WIRE_CODECS, "codec"),
+            help=f"Codec for activations: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth).",
+            callback=lambda v: _check_choice(v, WIRE_CHOICES, "codec"),
         ),
-    ] = "int4_rot",
+    ] = DEFAULT_WIRE_FORWARD,
     wire_backward: Annotated[
         str,
         typer.Option(
-            help=f"Codec for gradients: {', '.join(WIRE_CODECS)}.",
-            callback=lambda v: _check_choice(v, WIRE_CODECS, "codec"),
+            help=f"Codec for gradients: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth).",
+            callback=lambda v: _check_choice(v, WIRE_CHOICES, "codec"),
         ),
-    ] = "int8",
+    ] = DEFAULT_WIRE_BACKWARD,
     error_feedback_backward: Annotated[
         str,
         typer.Option(

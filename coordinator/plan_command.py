@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -23,10 +23,12 @@ from rich.table import Table
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import CostModel, PeerSpec
+from coordinator.options import DEFAULT_WIRE_BACKWARD, DEFAULT_WIRE_FORWARD
 from coordinator.placement import NoFit, PlacementError, place
-from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec
+from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
-from swarm.config import BASE_QUANTS, TrainConfig
+from coordinator.wire_choice import choose_links
+from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches
 # reaches roughly 30-50 % of a 3090's peak, so 30 TFLOP/s is a modest, stated guess. Pass NNtflops to override.
@@ -101,6 +103,7 @@ def plan_report(
 ) -> dict:
     """The plan as plain data (what ``--json`` prints); raises ``PlacementError`` with a one-line reason."""
     spec = hf_model_spec(arch, settings, wire_forward, wire_backward)
+    tokens_hidden = float(settings.tokens * arch.hidden)  # values per micro-batch across a boundary
     flops = mm.layer_flops(arch, settings)
     overhead = mm.stage_overhead_bytes(arch, settings)
     names = [peer_name(i, p) for i, p in enumerate(peers)]
@@ -146,6 +149,8 @@ def plan_report(
                     "stage_seconds": block.time,
                 }
             )
+    blocks = [(b.layer_start, b.layer_end, list(b.peer_ids)) for b in placement.blocks]
+    links = choose_links(blocks, dict(zip(names, specs, strict=True)), spec, tokens_hidden, wire_forward, wire_backward)
     slow = placement.blocks[placement.bottleneck]
     slow_row = next(r for r in rows if r["peer"] == slow.peer_ids[0])
     tokens = settings.tokens
@@ -159,10 +164,11 @@ def plan_report(
             "reserve_bytes": reserve,
         },
         "stages": rows,
-        "boundary_bytes_per_token": {
-            "forward": arch.hidden * CODEC_BYTES[wire_forward],
-            "backward": arch.hidden * CODEC_BYTES[wire_backward],
+        "boundary_bytes_per_token": {  # as planned: under auto, the ladder's smallest codec
+            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward)[0],
+            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward)[1],
         },
+        "links": [asdict(x) for x in links],  # each link's codecs (coordinator/wire_choice.py)
         "layer_flops_per_micro_batch": flops,
         "seconds_per_micro_batch": placement.bottleneck_time,
         "tokens_per_second": tokens / placement.bottleneck_time,
@@ -255,6 +261,12 @@ def render(report: dict, console: Console) -> None:
         f"backward {per_token['backward']:,.0f} ({s['wire_backward']}); "
         f"{s['reserve_bytes'] / (1 << 30):g} GiB kept free per peer (--reserve)"
     )
+    if WIRE_AUTO in (s["wire_forward"], s["wire_backward"]):
+        for x in report["links"]:
+            console.print(
+                f"link {x['upstream']} -> {x['downstream']} (stage {x['boundary']} -> {x['boundary'] + 1}): "
+                f"forward {x['forward']} ({x['forward_reason']}), backward {x['backward']} ({x['backward_reason']})"
+            )
     bn = report["bottleneck"]
     console.print(
         f"predicted: {report['seconds_per_micro_batch']:.3f} s per micro-batch, "
@@ -278,8 +290,12 @@ def plan(
     micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch.")] = 4,
     context: Annotated[int, typer.Option(min=0, help="Tokens per sequence (0: min(512, the model's positions)).")] = 0,
     in_flight: Annotated[int, typer.Option(min=0, help="Micro-batches in flight (0: the runtime default).")] = 0,
-    wire_forward: Annotated[str, typer.Option(help="Wire codec of activations (ravn local's default).")] = "int4_rot",
-    wire_backward: Annotated[str, typer.Option(help="Wire codec of gradients (ravn local's default).")] = "int8",
+    wire_forward: Annotated[
+        str, typer.Option(help="Wire codec of activations, or auto (per link; ravn local's default).")
+    ] = DEFAULT_WIRE_FORWARD,
+    wire_backward: Annotated[
+        str, typer.Option(help="Wire codec of gradients, or auto (per link; ravn local's default).")
+    ] = DEFAULT_WIRE_BACKWARD,
     activation_checkpointing: Annotated[bool, typer.Option(help="Keep only layer inputs; recompute.")] = False,
     stages: Annotated[int, typer.Option(min=0, help="Pipeline stages (0: one per peer).")] = 0,
     reserve: Annotated[float, typer.Option(min=0, help="GiB kept free on every peer.")] = DEFAULT_RESERVE_GIB,
@@ -292,8 +308,8 @@ def plan(
                 f"--dtype {dtype} --quant {quant}: choose {'/'.join(mm.DTYPE_BYTES)} and {'/'.join(BASE_QUANTS)}"
             )
         for codec in (wire_forward, wire_backward):
-            if codec not in CODEC_BYTES:
-                raise SpecError(f"unknown codec {codec!r}; choose {', '.join(CODEC_BYTES)}")
+            if codec not in CODEC_BYTES and codec != WIRE_AUTO:
+                raise SpecError(f"unknown codec {codec!r}; choose {', '.join(CODEC_BYTES)} or {WIRE_AUTO}")
         arch = mm.Arch.from_path(model)
         ctx = context or min(512, arch.max_positions or 512)
         if arch.max_positions and ctx > arch.max_positions:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import ModelSpec, PeerSpec
-from swarm.config import HFConfig, ModelConfig, TrainConfig
+from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER, HFConfig, ModelConfig, TrainConfig, planned_codec
 from swarm.dht.schema import PeerRecord
 
 # bytes per element on the wire, counting the fp16 scale of each 64-element block
@@ -82,17 +82,33 @@ def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:
         return mm.Arch.from_config({"model_type": "gpt2", **gpt2, "vocab_size": model.vocab_size})
 
 
+def wire_bytes(wire_forward: str, wire_backward: str) -> tuple[float, float]:
+    """Bytes per element the planner sizes each direction with (``auto``: its ladder's smallest codec)."""
+    return (
+        CODEC_BYTES[planned_codec(wire_forward, AUTO_FORWARD_LADDER)],
+        CODEC_BYTES[planned_codec(wire_backward, AUTO_BACKWARD_LADDER)],
+    )
+
+
+def boundary_elements(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = None) -> float:
+    """Values one micro-batch's activations (and gradients) hold across a boundary: tokens x width."""
+    if hf is not None:
+        return float(hf_settings(model, train, hf).tokens * hf_arch(model, hf).hidden)
+    return float(train.micro_batch_size * model.context * model.d_model)
+
+
 def hf_model_spec(arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str) -> ModelSpec:
     """Per-layer memory and cost of a checkpoint (embedding on layer 0, head and logits on the last; the last
     block keeps one micro-batch's activations, the others every one in flight)."""
     per_token = settings.tokens * arch.hidden
     n_b = arch.n_layers - 1
+    fwd, bwd = wire_bytes(wire_forward, wire_backward)
     return ModelSpec(
         layer_cost=mm.layer_costs(arch, settings),
         layer_memory=mm.layer_memory(arch, settings),
         last_layer_memory=mm.last_layer_memory(arch, settings),
-        forward_bytes=(per_token * CODEC_BYTES[wire_forward],) * n_b,
-        backward_bytes=(per_token * CODEC_BYTES[wire_backward],) * n_b,
+        forward_bytes=(per_token * fwd,) * n_b,
+        backward_bytes=(per_token * bwd,) * n_b,
     )
 
 
@@ -106,9 +122,10 @@ def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = Non
     params = 12 * d * d  # attention (4 d^2) + MLP (8 d^2) per layer
     weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
     activations = tokens * d * ACTIVATION_TENSORS_PER_LAYER * 4 * train.in_flight_limit
+    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward)
     return ModelSpec.uniform(
         model.n_layers,
         layer_memory=float(weights + activations),
-        boundary_bytes=tokens * d * CODEC_BYTES[train.wire_forward],
-        backward_bytes=tokens * d * CODEC_BYTES[train.wire_backward],
+        boundary_bytes=tokens * d * fwd,
+        backward_bytes=tokens * d * bwd,
     )

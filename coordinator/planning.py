@@ -5,19 +5,24 @@
 plus the checkpoint the current plan restored. It makes plans (``_plan_for``: ``placement.place`` over
 ``cost_model.py``: the chain sized after ordering the peers, peers behind NAT kept apart, spare peers as
 replicas of the slowest stage) and builds the gRPC ``Assignment`` a peer gets. Publishing a plan in the
-DHT is ``roster.Roster.publish``'s job.
+DHT is ``roster.Roster.publish``'s job. Every plan names each link's codecs (``coordinator/wire_choice.py``:
+the run's, or under ``--wire-* auto`` one per link from its measured bandwidth).
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 from coordinator.checkpoint_store import CheckpointStore
 from coordinator.cost_model import ModelSpec, PeerSpec
 from coordinator.membership import Membership, make_plan
 from coordinator.placement import NoFit, PlacementError, Unarrangeable, place
-from coordinator.plan_inputs import block_overhead, model_spec, peer_specs
+from coordinator.plan_inputs import block_overhead, boundary_elements, model_spec, peer_specs
 from coordinator.progress import Progress
 from coordinator.run_settings import NoPlanFits, RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
+from coordinator.wire_choice import choose_links
+from swarm.config import WIRE_AUTO
 from swarm.dht.plan_view import plan_view
 from swarm.dht.records import seal_plan
 from swarm.dht.schema import PeerRecord, Plan
@@ -46,6 +51,7 @@ class Planning:
         self.reachable: dict[str, bool] = {}
         self.fingerprints: dict[str, str] = {}  # peer id -> TLS fingerprint from its record ("" in clear)
         self.public_keys: dict[str, str] = {}  # peer id -> the key its record is signed with: signs its calls
+        self.links_from: dict[str, PeerSpec] = {}  # peer id -> its measured link, as last planned (codec choice)
         self._restore_version = 0
         self.control_endpoint = ""  # set once the Control service listens: every plan names it
 
@@ -100,8 +106,30 @@ class Planning:
             for st in self.plan.stages
         ]
 
+    def links(self, stages: Stages) -> list[dict]:
+        """Each link's codecs for ``stages``, from the peers' last measured links (``wire_choice``). A coordinator
+        restarted since it measured them keeps the codecs the current plan gave the links that remain."""
+        ids = [(a, b, [p for p, _ in peers]) for a, b, peers in stages]
+        holders = {p for _, _, peers in ids for p in peers}
+        if holders <= set(self.links_from):
+            spec = model_spec(self.s.model, self.s.train, self.s.hf)
+            elements = boundary_elements(self.s.model, self.s.train, self.s.hf)
+            peers = {p: self.links_from[p] for p in holders}
+            choices = choose_links(ids, peers, spec, elements, self.s.train.wire_forward, self.s.train.wire_backward)
+            return [asdict(c) for c in choices]
+        old = self.plan.links if self.plan is not None else []
+        return [x.model_dump() for x in old if x.upstream in holders and x.downstream in holders]
+
     def publishable(self, stages: Stages) -> Plan:
         self.plan_version += 1
+        links = self.links(stages)
+        if WIRE_AUTO in (self.s.train.wire_forward, self.s.train.wire_backward):
+            for x in links:
+                self.progress.message(
+                    f"link {x['upstream']} -> {x['downstream']} (stage {x['boundary']} -> {x['boundary'] + 1}): "
+                    f"forward {x['forward']} ({x['forward_reason']}, {x['forward_mbit_s']:,.1f} Mbit/s), "
+                    f"backward {x['backward']} ({x['backward_reason']}, {x['backward_mbit_s']:,.1f} Mbit/s)"
+                )
         return make_plan(
             reachable=self.reachable,
             fingerprints=self.fingerprints,
@@ -114,6 +142,7 @@ class Planning:
             coordinator=self.control_endpoint,
             stages=stages,
             layer=planned_layer(self.s.model, self.s.train, self.s.hf),
+            links=links,
         )
 
     # ---- making a plan and an Assignment (the placement rule the runtime uses) --------------------
@@ -124,6 +153,8 @@ class Planning:
         endpoints = {r.peer_id: r.endpoint for r in records}
         self.fingerprints = {r.peer_id: r.tls_fingerprint for r in records}
         self.public_keys = {r.peer_id: r.public_key for r in records if r.public_key}
+        overhead = block_overhead(self.s.model, self.s.train, self.s.hf)
+        self.links_from = {p.peer_id: p for p in peer_specs(records, overhead=overhead)}
         stages = [(a, b, [(p, endpoints[p]) for p in group]) for (a, b), group in zip(blocks, groups, strict=True)]
         self.planned = {p: (a, b, endpoints[p]) for a, b, peers in stages for p, _ in peers}
         self.predicted_throughput = throughput

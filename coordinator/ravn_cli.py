@@ -73,6 +73,10 @@ def local(
     debug_crash_at_checkpoint: Annotated[
         str, typer.Option(hidden=True, help="Testing: STAGE=VERSION (ravn-peer --debug-crash-at-checkpoint).")
     ] = "",
+    debug_slow_uplink: Annotated[
+        str,
+        typer.Option(hidden=True, help="Testing: INDEX:MBIT, one peer announces that uplink (--debug-uplink-mbit)."),
+    ] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:
     """Start a coordinator and PEERS peers on this machine and train the built-in GPT."""
@@ -123,6 +127,7 @@ def local(
                 poison_peer=debug_poison_peer,
                 crash_at_checkpoint=debug_crash_at_checkpoint,
                 peer_memory=peer_memory,
+                slow_uplink=debug_slow_uplink,
             )
         )
     finally:

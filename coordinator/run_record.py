@@ -210,8 +210,17 @@ class RunRecord:
             "average_bytes": st.average_bytes,
             "anchor_digest": st.anchor_digest,
             "forward_micro_batches": st.forward_micro_batches - base.forward_micro_batches,
+            "sent_codecs": dict(sorted(st.sent_codecs.items())),  # tensors sent, by direction and codec
             "memory": memory_summary(st.memory),
         }
+
+    def link_summary(self) -> list[dict]:
+        """The last plan's links: stage i -> i + 1, sender and receiver, the codec of each direction, the
+        measured Mbit/s it was chosen from and why (``coordinator/wire_choice.py``)."""
+        plan = self.planning.plan
+        return [
+            {"stages": [x.boundary, x.boundary + 1], **x.model_dump()} for x in (plan.links if plan is not None else [])
+        ]
 
     def write_summary(self, sessions: list[PeerSession]) -> None:
         tokens = sum(self.step_tokens)
@@ -238,6 +247,7 @@ class RunRecord:
             "lost_micro_batches": sum(x.stats.lost_micro_batches for x in sessions),
         }
         summary["stages"] = [self._stage_summary(x) for x in sorted(sessions, key=lambda x: x.stage)]
+        summary["links"] = self.link_summary()
         self.artifacts.log("summary", **summary)
         if tokens:
             self.progress.message(

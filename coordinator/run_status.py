@@ -16,6 +16,7 @@ from coordinator.run_settings import RunSettings
 from coordinator.sessions import Sessions
 from coordinator.status_data import (
     ExcludedPeer,
+    LinkStatus,
     RunStatus,
     SwarmStatus,
     blocks_from_peers,
@@ -81,6 +82,13 @@ def swarm_status(
         **flow.trouble(bool(s.train.checkpoint_every)),
     )
     excluded = tuple(ExcludedPeer(name=p, reason=why) for p, why in sessions.excluded.items())
+    links = tuple(LinkStatus(**x.model_dump()) for x in plan.links) if plan is not None else ()
     return SwarmStatus(
-        run=run, peers=tuple(peers), blocks=blocks, swarm=s.swarm, generated_at=time.time(), excluded=excluded
+        run=run,
+        peers=tuple(peers),
+        blocks=blocks,
+        swarm=s.swarm,
+        generated_at=time.time(),
+        excluded=excluded,
+        links=links,
     )

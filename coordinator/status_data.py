@@ -23,10 +23,14 @@ renamed); :meth:`SwarmStatus.to_dict` is the same without ``verdict`` and the de
                 "staleness_counts": [int], "staleness_p50", "staleness_p99", "heartbeat_age_s",
                 "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction"}],
      "blocks": [{"layers": [a, b], "replicas": int, "covered": bool, "bottleneck": bool}],
-     "excluded": [{"name": str, "reason": str}]}
+     "excluded": [{"name": str, "reason": str}],
+     "links": [{"boundary": int, "upstream": str, "downstream": str, "forward": str, "backward": str,
+                "forward_mbit_s", "backward_mbit_s", "forward_reason": str, "backward_reason": str}]}
 
 ``excluded`` lists peers the coordinator dropped from the plan for the rest of the run (a neighbour
-quarantined them for implausible activations or gradients) and why.
+quarantined them for implausible activations or gradients) and why. ``links`` are the current plan's links
+(``boundary`` i: stage i -> i + 1) with the codec each direction sends, the measured Mbit/s it was chosen
+from and why (``coordinator/wire_choice.py``).
 
 Unknown numbers are ``null`` (never NaN). ``step`` counts completed optimizer steps.
 """
@@ -112,6 +116,21 @@ class ExcludedPeer:
 
 
 @dataclass(frozen=True)
+class LinkStatus:
+    """One link of the plan: ``upstream`` (stage ``boundary``) -> ``downstream`` (stage ``boundary + 1``)."""
+
+    boundary: int
+    upstream: str
+    downstream: str
+    forward: str
+    backward: str
+    forward_mbit_s: float | None = None
+    backward_mbit_s: float | None = None
+    forward_reason: str = ""
+    backward_reason: str = ""
+
+
+@dataclass(frozen=True)
 class SwarmStatus:
     run: RunStatus
     peers: tuple[PeerStatus, ...] = ()
@@ -119,6 +138,7 @@ class SwarmStatus:
     swarm: str = ""
     generated_at: float = 0.0  # unix seconds, coordinator clock
     excluded: tuple[ExcludedPeer, ...] = ()
+    links: tuple[LinkStatus, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (the transport form; no verdict, no derived fields)."""
@@ -138,6 +158,7 @@ class SwarmStatus:
                 {"layers": list(b.layers), "replicas": b.replicas, "bottleneck": b.bottleneck} for b in self.blocks
             ],
             "excluded": [{"name": e.name, "reason": e.reason} for e in self.excluded],
+            "links": [_fields(x) for x in self.links],
         }
 
     @classmethod
@@ -200,6 +221,20 @@ class SwarmStatus:
             excluded=tuple(
                 ExcludedPeer(name=e.text("name"), reason=e.text("reason", default=""))
                 for e in r.subs("excluded", MAX_LIST)
+            ),
+            links=tuple(
+                LinkStatus(
+                    boundary=x.count("boundary"),
+                    upstream=x.text("upstream"),
+                    downstream=x.text("downstream"),
+                    forward=x.text("forward"),
+                    backward=x.text("backward"),
+                    forward_mbit_s=x.num("forward_mbit_s"),
+                    backward_mbit_s=x.num("backward_mbit_s"),
+                    forward_reason=x.text("forward_reason", default=""),
+                    backward_reason=x.text("backward_reason", default=""),
+                )
+                for x in r.subs("links", MAX_LIST)
             ),
         )
 

@@ -1,4 +1,4 @@
-"""``ravn status`` on a terminal: the verdict line, the run line, the peers, blocks and excluded-peers tables.
+"""``ravn status`` on a terminal: the verdict line, the run line, the peers, blocks, links and excluded-peers tables.
 
 Rendering only: the snapshot and its JSON are ``coordinator.status_data``, the verdict is
 ``coordinator.status_verdict``. :func:`renderable` builds one rich renderable from a snapshot, so the
@@ -101,6 +101,38 @@ def blocks_table(status: SwarmStatus) -> Table:
     return t
 
 
+def links_table(status: SwarmStatus) -> Table:
+    """Each link of the plan with the codec each direction sends, and the measured Mbit/s it was chosen from."""
+    blocks = sorted(b.layers for b in status.blocks)  # in pipeline order: block i is stage i
+
+    def stage(i: int) -> str:
+        return f"{i} {layers_text(blocks[i])}" if i < len(blocks) else str(i)
+
+    t = Table(title="links", title_justify="left", expand=False)
+    for col, justify in (
+        ("stages", "left"),
+        ("from -> to", "left"),
+        ("forward", "left"),
+        ("Mbit/s", "right"),
+        ("backward", "left"),
+        ("Mbit/s", "right"),
+        ("why", "left"),
+    ):
+        t.add_column(col, justify=justify)
+    for x in sorted(status.links, key=lambda x: (x.boundary, x.upstream, x.downstream)):
+        why = x.forward_reason if x.forward_reason == x.backward_reason else f"{x.forward_reason}; {x.backward_reason}"
+        t.add_row(
+            f"{stage(x.boundary)} -> {stage(x.boundary + 1)}",
+            f"{x.upstream} -> {x.downstream}",
+            x.forward,
+            _fmt(x.forward_mbit_s, ".1f"),
+            x.backward,
+            _fmt(x.backward_mbit_s, ".1f"),
+            why,
+        )
+    return t
+
+
 def excluded_table(status: SwarmStatus) -> Table:
     t = Table(title="excluded peers", title_justify="left", expand=False)
     t.add_column("peer", justify="left")
@@ -115,6 +147,8 @@ def renderable(status: SwarmStatus, v: Verdict | None = None) -> RenderableType:
     v = v or verdict(status)
     parts: list[RenderableType] = [Text(v.line(), style=_STYLE[v.level]), run_line(status.run)]
     parts += [peers_table(status, v), blocks_table(status)]
+    if status.links:
+        parts.append(links_table(status))
     if status.excluded:
         parts.append(excluded_table(status))
     parts += [Text(f"  {p.severity}: {p.why}", style=_STYLE[p.severity].split()[-1]) for p in v.problems[1:]]

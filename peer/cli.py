@@ -121,6 +121,9 @@ def join(
         ),
     ] = 60.0,
     debug_slowdown: Annotated[float, typer.Option(hidden=True, help="Testing: extra seconds per micro-batch.")] = 0.0,
+    debug_uplink_mbit: Annotated[
+        float, typer.Option(hidden=True, min=0.0, help="Testing: announce this upload Mbit/s, not the measured one.")
+    ] = 0.0,
     debug_slow_stage: Annotated[
         str, typer.Option(hidden=True, help="Testing: STAGE=SECONDS adds SECONDS per pass to that stage's holders.")
     ] = "",
@@ -224,6 +227,7 @@ def join(
         poison=debug_poison,
         poison_after=debug_poison_after,
         crash_at_checkpoint=_crash_at(debug_crash_at_checkpoint),
+        uplink_mbit=debug_uplink_mbit,
     )
     raise typer.Exit(uvloop.run(_serve(PeerDaemon(settings, discovery, faults))))
 

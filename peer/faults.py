@@ -1,6 +1,8 @@
 """Deliberate faults for tests, apart from the settings a real peer runs with: a slow peer
 (``--debug-slowdown``, ``--debug-slow-stage``), a peer that poisons what it sends (``--debug-poison``), or
-one that dies between taking a checkpoint and uploading it (``--debug-crash-at-checkpoint``).
+one that dies between taking a checkpoint and uploading it (``--debug-crash-at-checkpoint``), or one that
+announces a slow uplink it does not have (``--debug-uplink-mbit``: the planner's per-link codec choice
+sees a home uplink on loopback).
 
 A real component with one method overridden (as hivemind's tests inject a "faulty averager"): the
 poisoned peer computes honestly, then scales by 1e6 or fills with NaN every training tensor it sends,
@@ -33,6 +35,7 @@ class Faults:
     poison: str = ""  # "scale" or "nan" corrupts every training tensor sent, after poison_after steps
     poison_after: int = 0
     crash_at_checkpoint: tuple[int, int] | None = None  # (stage, version) whose holder dies, see crash_due
+    uplink_mbit: float = 0.0  # > 0: announce this upload bandwidth instead of the measured one
 
     def slow(self, stage: int) -> None:
         """Sleep as long as this peer is told to be slow at ``stage`` (compute thread, training passes only)."""
@@ -85,12 +88,20 @@ def wire_policy(
     version: Callable[[], int] = lambda: 0,
     *,
     error_feedback: bool = False,
+    backward_to: dict[str, str] | None = None,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
+    per_link = dict(backward_to or {})
     if not poison:
-        return WirePolicy(forward=forward, backward=backward, error_feedback=error_feedback)
+        return WirePolicy(forward=forward, backward=backward, error_feedback=error_feedback, backward_to=per_link)
     if poison not in POISON_MODES:
         raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
     return PoisonedPolicy(
-        forward=forward, backward=backward, error_feedback=error_feedback, mode=poison, after=after, version=version
+        forward=forward,
+        backward=backward,
+        error_feedback=error_feedback,
+        backward_to=per_link,
+        mode=poison,
+        after=after,
+        version=version,
     )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from hivemind.utils.crypto import RSAPublicKey
 
-from swarm.dht.plan_view import PlanView, PlanViewError, plan_view
+from swarm.config import WIRE_AUTO
+from swarm.dht.plan_view import PlanView, PlanViewError, plan_view, wire_codecs
 from swarm.dht.records import PLAN_ENVELOPE_VERSION, PlanVerificationError, verify_plan
 from swarm.dht.schema import Plan
 from swarm.pb import control_pb2 as cpb
@@ -38,10 +39,13 @@ class PlanTrust:
             plan = verify_plan(envelope, self.swarm, self.key)
         except PlanVerificationError as e:
             raise AssignmentError(f"the assignment's plan is not signed by the trusted coordinator: {e}") from None
-        return self.check(plan, a.run_id)
+        # only what the run left to the plan matters here: the rest of the recipe is read when the block is built
+        wire = tuple(WIRE_AUTO if auto else "" for auto in (a.train.wire_forward_auto, a.train.wire_backward_auto))
+        return self.check(plan, a.run_id, wire=wire)
 
-    def check(self, plan: Plan, run_id: str) -> PlanView:
-        """Run and version checks of a verified plan; remembers its version."""
+    def check(self, plan: Plan, run_id: str, *, wire: tuple[str, str] | None = None) -> PlanView:
+        """Run and version checks of a verified plan, and (``wire``: the run's two codec choices) that it
+        names a codec for each of this peer's links the run left to it; remembers its version."""
         if plan.run_id != run_id:
             raise AssignmentError(f"the assignment is for run {run_id!r}, its signed plan for {plan.run_id!r}")
         if self.run_id and plan.run_id != self.run_id:
@@ -50,6 +54,8 @@ class PlanTrust:
             raise AssignmentError(f"signed plan v{plan.version} is older than v{self.newest}, already acted on")
         try:
             view = plan_view(plan, self.peer_id)
+            if wire is not None:
+                wire_codecs(view, *wire)
         except PlanViewError as e:
             raise AssignmentError(str(e)) from None
         self.newest, self.run_id = plan.version, plan.run_id

@@ -52,6 +52,7 @@ def stage_stats(stage: Stage | None, compute: ComputeWorker) -> cpb.StageStats:
         lost_micro_batches=stage.lost_micro_batches,
         rejected=sum(stage.sanity.rejections.values()),
         rejected_by_sender=dict(stage.sanity.rejections),
+        sent_codecs=dict(stage.policy.sent),
         memory=cpb.StageMemory(**stage.memory.sample().as_dict()),
     )
 

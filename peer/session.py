@@ -296,7 +296,7 @@ class Session:
             end,
             self.device,
             stage.policy.forward,
-            stage.policy.backward,
+            ", ".join(f"{c} to {p}" for p, c in stage.policy.backward_to.items()) or stage.policy.backward,
             "on" if stage.policy.error_feedback else "off",
         )
         if view.is_first:

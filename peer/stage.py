@@ -28,7 +28,7 @@ from peer.plan_trust import AssignmentError
 from peer.replicas.replica_set import ReplicaSet
 from swarm.config import PROTOCOL_VERSION, HFConfig, ModelConfig, TrainConfig
 from swarm.dht.multiaddrs import multiaddr_to_grpc_target
-from swarm.dht.plan_view import PlanView
+from swarm.dht.plan_view import PlanView, wire_codecs
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.train.memory import MemoryProbe
@@ -86,13 +86,15 @@ class Stage:
         self.runner = runner
         self.memory = memory or MemoryProbe(hooks.device)  # what building and training the block cost
         self.bounds = link_bounds(self.model_cfg, self.train_cfg)  # what neighbours may send this block
+        codecs = wire_codecs(view, self.train_cfg.wire_forward, self.train_cfg.wire_backward)
         self.policy: WirePolicy = wire_policy(
-            self.train_cfg.wire_forward,
-            self.train_cfg.wire_backward,
+            codecs.forward,
+            codecs.backward,
             hooks.faults.poison,
             hooks.faults.poison_after,
             lambda: runner.version,
             error_feedback=self.train_cfg.error_feedback_backward,
+            backward_to=codecs.backward_to,
         )
         self.sanity = LinkSanity(DAEMON_SETTINGS, hooks.quarantine)  # per-link norms; quarantines poisoners
         self.links = Links(set(view.downstreams))
@@ -244,6 +246,8 @@ class Stage:
         if view.layers != self.view.layers or view.stage != self.view.stage or a.epoch != self.assignment.epoch:
             raise AssignmentError("an update must keep this peer's block; the coordinator sent another")
         self.view, self.assignment = view, a
+        codecs = wire_codecs(view, self.train_cfg.wire_forward, self.train_cfg.wire_backward)
+        self.policy.forward, self.policy.backward_to = codecs.forward, codecs.backward_to  # the new plan's links
         for side, holders in ((DOWNSTREAM, view.downstreams), (UPSTREAM, view.upstreams)):
             for peer, link in [(p, lk) for p, lk in self.links.table(side).items() if p not in holders]:
                 link.close()

@@ -9,9 +9,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan; 4: HFConfig.quant
-PROTOCOL_VERSION = 4
+# 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan; 4: HFConfig.quant;
+# 5: the plan names each link's codecs (Plan.links) and TrainConfig can leave them to it (wire_*_auto)
+PROTOCOL_VERSION = 5
 SCHEDULES = ("sync", "async")
+
+# ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,
+# least lossy first (coordinator/wire_choice.py). Only codecs whose loss cost measured within about 2% of
+# fp32 at 300 steps are on it (docs/codecs.md, "Convergence through the real pipeline"): plain int4
+# activations and any int4 gradients cost 6-8% there, so auto never picks them.
+WIRE_AUTO = "auto"
+AUTO_FORWARD_LADDER = ("bf16", "int8", "int4_rot")
+AUTO_BACKWARD_LADDER = ("bf16", "int8")
+
+
+def planned_codec(choice: str, ladder: tuple[str, ...]) -> str:
+    """The codec the planner sizes a boundary with: ``choice`` itself, or for ``auto`` the ladder's smallest.
+
+    Placement runs before the links are known, so under auto it assumes every link may fall back to the
+    smallest codec; each link then gets a bigger one only where its measured bandwidth allows.
+    """
+    return ladder[-1] if choice == WIRE_AUTO else choice
 
 
 @dataclass(frozen=True)

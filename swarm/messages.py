@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from swarm.config import HFConfig, ModelConfig, TrainConfig
+from swarm.config import WIRE_AUTO, HFConfig, ModelConfig, TrainConfig
 from swarm.pb import control_pb2 as cpb
-from swarm.wire.packets import codec_from_pb, codec_to_pb
+from swarm.wire.packets import WireError, codec_from_pb, codec_to_pb
+
+
+def _wire_to_pb(choice: str) -> tuple[int, bool]:
+    """(codec, auto): ``auto`` leaves the codec unset, since each link's is in the sealed plan."""
+    return (0, True) if choice == WIRE_AUTO else (codec_to_pb(choice), False)
+
+
+def _wire_from_pb(codec: int, auto: bool, flag: str) -> str:
+    if auto and codec:
+        raise WireError(f"TrainConfig sets both {flag} auto and a codec ({codec_from_pb(codec)}); pick one")
+    return WIRE_AUTO if auto else codec_from_pb(codec)
 
 
 def model_to_pb(cfg: ModelConfig) -> cpb.ModelConfig:
@@ -30,6 +41,7 @@ def model_from_pb(m: cpb.ModelConfig) -> ModelConfig:
 
 
 def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
+    (forward, forward_auto), (backward, backward_auto) = _wire_to_pb(cfg.wire_forward), _wire_to_pb(cfg.wire_backward)
     return cpb.TrainConfig(
         micro_batches=cfg.micro_batches,
         micro_batch_size=cfg.micro_batch_size,
@@ -40,8 +52,10 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         eval_every=cfg.eval_every,
         eval_batches=cfg.eval_batches,
         schedule=cfg.schedule,
-        wire_forward=codec_to_pb(cfg.wire_forward),
-        wire_backward=codec_to_pb(cfg.wire_backward),
+        wire_forward=forward,
+        wire_backward=backward,
+        wire_forward_auto=forward_auto,
+        wire_backward_auto=backward_auto,
         error_feedback_backward=cfg.error_feedback_backward,
         warmup_steps=cfg.warmup_steps,
         grad_clip=cfg.grad_clip,
@@ -71,8 +85,8 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
         eval_every=t.eval_every,
         eval_batches=t.eval_batches,
         schedule=t.schedule,
-        wire_forward=codec_from_pb(t.wire_forward),
-        wire_backward=codec_from_pb(t.wire_backward),
+        wire_forward=_wire_from_pb(t.wire_forward, t.wire_forward_auto, "--wire-forward"),
+        wire_backward=_wire_from_pb(t.wire_backward, t.wire_backward_auto, "--wire-backward"),
         error_feedback_backward=t.error_feedback_backward,
         max_staleness=t.max_staleness,
         weight_stashing=t.weight_stashing,

@@ -107,3 +107,22 @@ def test_peers_that_cannot_be_arranged_are_one_line_too(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "blocked on reachability" in result.output
     result = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--peer", "4GiB,1mbit", "--context", "4096"])
     assert result.exit_code == 2 and "exceeds the model's 2048 positions" in result.output
+
+
+def test_auto_plans_with_the_smallest_codecs_and_reports_each_links_choice() -> None:
+    """``ravn plan --wire-forward auto``: sized as if every link fell back to the smallest codec; the 1 Gbit/s
+    link between two fast peers keeps bf16 while a 10 Mbit/s uplink sends the smallest."""
+    arch = mm.Arch.from_config(TINY)
+    settings = mm.Settings(micro_batch_size=2, context=256, in_flight=4)
+    peers = [parse_peer(s) for s in ("8GiB,1gbit", "8GiB,1gbit", "8GiB,10mbit/1gbit")]
+    report = plan_report(arch, settings, peers, wire_forward="auto", wire_backward="auto", stages=3, reserve=2**28)
+    assert report["boundary_bytes_per_token"] == {"forward": 256 * (0.5 + 2 / 64), "backward": 256 * (1 + 2 / 64)}
+    links = {x["boundary"]: x for x in report["links"]}
+    assert [p["peer"] for p in report["stages"]][0] == "pc2-8G"  # the slow uplink goes first: it sends least
+    assert (links[0]["upstream"], links[0]["forward"], links[0]["forward_reason"]) == (
+        "pc2-8G",
+        "int4_rot",
+        "smallest: link-bound",
+    )
+    assert links[0]["forward_mbit_s"] == 10.0 and links[0]["backward"] == "bf16"
+    assert (links[1]["forward"], links[1]["backward"]) == ("bf16", "bf16")

@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 
 from coordinator.status_data import (
+    LinkStatus,
     PeerStatus,
     RunStatus,
     SwarmStatus,
@@ -181,7 +182,7 @@ def test_peer_status_from_two_reports() -> None:
 def test_json_shape_is_stable_and_round_trips() -> None:
     s = with_peer(healthy(), "p1", heartbeat_age_s=20.0)
     d = json.loads(json.dumps(status_json(s), allow_nan=False))  # strict JSON: no NaN anywhere
-    assert set(d) == {"schema", "swarm", "generated_at", "verdict", "run", "peers", "blocks", "excluded"}
+    assert set(d) == {"schema", "swarm", "generated_at", "verdict", "run", "peers", "blocks", "excluded", "links"}
     assert d["schema"] == 1
     assert set(d["verdict"]) == {"level", "line", "problems"}
     assert d["verdict"]["problems"][0] == {
@@ -310,3 +311,31 @@ def test_recovery_is_degraded_and_names_the_block_even_while_it_is_uncovered() -
     back = SwarmStatus.from_dict(json.loads(json.dumps(s.to_dict())))
     assert back.run.recovering_layers == (2, 4) and verdict(back) == v
     assert SwarmStatus.from_dict(healthy().to_dict()).run.recovering_layers is None
+
+
+def test_links_show_each_links_codecs_next_to_the_stages_and_round_trip() -> None:
+    links = (
+        LinkStatus(0, "p0", "p1", "int4_rot", "bf16", 10.0, 940.5, "smallest: link-bound", "fits the bottleneck"),
+        LinkStatus(1, "p1", "p2", "bf16", "bf16", 940.5, 940.5, "fits the bottleneck", "fits the bottleneck"),
+    )
+    s = replace(healthy(), links=links)
+    d = json.loads(json.dumps(status_json(s), allow_nan=False))
+    assert d["links"][0] == {
+        "boundary": 0,
+        "upstream": "p0",
+        "downstream": "p1",
+        "forward": "int4_rot",
+        "backward": "bf16",
+        "forward_mbit_s": 10.0,
+        "backward_mbit_s": 940.5,
+        "forward_reason": "smallest: link-bound",
+        "backward_reason": "fits the bottleneck",
+    }
+    assert SwarmStatus.from_dict(d) == s
+    console = Console(record=True, width=160, color_system=None)
+    render(s, console)
+    rows = [line for line in console.export_text().splitlines() if "->" in line and "│" in line]
+    assert len(rows) == 2
+    assert "0 [0,2) -> 1 [2,4)" in rows[0] and "p0 -> p1" in rows[0] and "int4_rot" in rows[0]
+    assert "10.0" in rows[0] and "smallest: link-bound; fits the bottleneck" in rows[0]
+    assert "1 [2,4) -> 2 [4,6)" in rows[1] and rows[1].count("bf16") == 2 and "fits the bottleneck" in rows[1]

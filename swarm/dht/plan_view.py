@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER, WIRE_AUTO, planned_codec
 from swarm.dht.schema import Plan, PlanPeer
 
 
@@ -29,6 +30,8 @@ class PlanView:
     replicas: dict[str, str]  # every holder of this block, this peer included
     dial_upstream: bool  # this peer is behind NAT: it opens the links to its upstream holders
     accept_downstream: bool  # a downstream holder is behind NAT: it dials us, we never dial it
+    sends_forward: str | None = None  # the plan's codec for the activations this peer sends (None: unnamed)
+    sends_backward: dict[str, str] | None = None  # upstream holder -> the plan's codec for gradients to it
 
     @property
     def num_stages(self) -> int:
@@ -84,4 +87,42 @@ def plan_view(plan: Plan, peer_id: str) -> PlanView:
         replicas={p.peer_id: p.endpoint for p in st.peers},
         dial_upstream=bool(ups) and not me.reachable,
         accept_downstream=bool(downs) and not all(p.reachable for p in downs),
+        sends_forward=next((x.forward for x in plan.links if x.upstream == peer_id), None),
+        sends_backward={x.upstream: x.backward for x in plan.links if x.downstream == peer_id},
     )
+
+
+@dataclass(frozen=True)
+class WireCodecs:
+    """What this peer sends with: ``forward`` for activations, ``backward_to[holder]`` for the gradients
+    going back to that upstream holder (``backward`` where the plan names none)."""
+
+    forward: str
+    backward: str
+    backward_to: dict[str, str]
+
+
+def wire_codecs(view: PlanView, forward: str, backward: str) -> WireCodecs:
+    """The codecs of this peer's links: the plan's where it names them, else the run's ``forward``/``backward``.
+
+    A run that leaves a direction to the plan (``auto``) needs the plan to name every link of this peer
+    in it: a plan that does not is refused (PlanViewError), since no codec is left to fall back on.
+    """
+    fwd = view.sends_forward
+    if fwd is None:
+        if forward == WIRE_AUTO and view.downstreams:
+            first = next(iter(view.downstreams))
+            raise PlanViewError(
+                f"the signed plan v{view.plan.version} gives the link {view.peer_id} -> {first} no forward codec, "
+                "and the run chose codecs per link (--wire-forward auto)"
+            )
+        fwd = planned_codec(forward, AUTO_FORWARD_LADDER)
+    named = view.sends_backward or {}
+    if backward == WIRE_AUTO:
+        unnamed = [p for p in view.upstreams if p not in named]
+        if unnamed:
+            raise PlanViewError(
+                f"the signed plan v{view.plan.version} gives the link {unnamed[0]} -> {view.peer_id} no backward "
+                "codec, and the run chose codecs per link (--wire-backward auto)"
+            )
+    return WireCodecs(forward=fwd, backward=planned_codec(backward, AUTO_BACKWARD_LADDER), backward_to=dict(named))

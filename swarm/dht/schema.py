@@ -40,6 +40,8 @@ PublicKey = Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{43}=)?$")]  # Ed25519
 TlsFingerprint = Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64})?$")]  # "" when the peer serves in clear
 
 PeerState = Literal["joining", "online", "leaving"]
+WireCodec = Literal["fp32", "fp16", "bf16", "int8", "int4", "int4_rot"]  # what a link may send floats with
+MAX_LINKS = 1024
 
 
 class _Strict(BaseModel):
@@ -168,6 +170,22 @@ class PlannedLayer(_Strict):
     lora_rank: Annotated[int, Field(ge=0, le=MAX_LAYERS)] = 0
 
 
+class PlanLink(_Strict):
+    """The codecs of one link: ``upstream`` (a holder of stage ``boundary``) sends activations to
+    ``downstream`` (a holder of stage ``boundary + 1``) with ``forward``, which sends gradients back with
+    ``backward``; the measured Mbit/s and reason each was chosen from (``coordinator/wire_choice.py``)."""
+
+    boundary: Annotated[int, Field(ge=0, le=MAX_STAGES)]
+    upstream: PeerId
+    downstream: PeerId
+    forward: WireCodec
+    backward: WireCodec
+    forward_mbit_s: NonNegativeFloat = 0.0
+    backward_mbit_s: NonNegativeFloat = 0.0
+    forward_reason: PrintableText = "set by --wire-forward"
+    backward_reason: PrintableText = "set by --wire-backward"
+
+
 class Plan(_Strict):
     """The coordinator's plan: which peers serve which layers in run ``run_id``.
 
@@ -186,6 +204,7 @@ class Plan(_Strict):
     protocol_version: Annotated[int, Field(ge=0, le=MAX_UINT32)]
     coordinator_tls_fingerprint: TlsFingerprint = ""  # set: Control speaks TLS with exactly this certificate
     layer: PlannedLayer | None = None  # what peers measure themselves on (None: a coordinator from before)
+    links: Annotated[list[PlanLink], Field(max_length=MAX_LINKS)] = []  # empty: every link the run's codecs
 
     @field_validator("coordinator")
     @classmethod
@@ -202,7 +221,32 @@ class Plan(_Strict):
                     "stages must cover the layers from 0 contiguously, in order"
                 )
             expected_start = stage.layer_end
+        if self.links:
+            _check_links(self.stages, self.links)
         return self
+
+
+def _check_links(stages: list[PlanStage], links: list[PlanLink]) -> None:
+    """Links, when given, name each pair of neighbouring holders exactly once and nothing else, and a
+    sender has one forward codec (it encodes activations before choosing which holder gets them)."""
+    expected = {
+        (i, u.peer_id, d.peer_id) for i in range(len(stages) - 1) for u in stages[i].peers for d in stages[i + 1].peers
+    }
+    named = [(x.boundary, x.upstream, x.downstream) for x in links]
+    if len(set(named)) != len(named):
+        raise ValueError("the plan names a link twice")
+    unknown = sorted(set(named) - expected)
+    if unknown:
+        i, u, d = unknown[0]
+        raise ValueError(f"the plan names a link {u} -> {d} across boundary {i} that is not between neighbours")
+    missing = sorted(expected - set(named))
+    if missing:
+        i, u, d = missing[0]
+        raise ValueError(f"the plan gives the link {u} -> {d} (stage {i} -> {i + 1}) no codec")
+    forward: dict[str, str] = {}
+    for x in links:
+        if forward.setdefault(x.upstream, x.forward) != x.forward:
+            raise ValueError(f"the plan gives {x.upstream} two forward codecs ({forward[x.upstream]}, {x.forward})")
 
 
 class ProtocolMismatchError(RuntimeError):

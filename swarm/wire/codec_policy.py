@@ -5,10 +5,16 @@ one small, testable place, shared by every schedule. Gradients sent with a lossy
 error feedback, so what quantisation drops from one micro-batch's gradient is sent with the next
 instead of being lost. The residual is what one receiver is still owed, so there is one per
 destination peer: with replicated upstream holders, each holder's stream telescopes on its own.
+
+The codec of each link is the plan's (``--wire-* auto`` picks one per link, coordinator/wire_choice.py):
+activations go out with ``forward`` (encoded before the sender routes them to a holder, so one codec for
+all its downstream links), gradients with ``backward_to[destination]``, or ``backward`` where the plan
+names none. ``sent`` counts tensors by direction and codec: what a stage reports as actually sent.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +34,8 @@ class WirePolicy:
     error_feedback: bool = False  # on gradients sent with a lossy codec (``--error-feedback-backward``)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_elements: int = DEFAULT_MAX_ELEMENTS
+    backward_to: dict[str, str] = field(default_factory=dict)  # upstream holder -> codec of gradients to it
+    sent: Counter[str] = field(default_factory=Counter)  # "forward:<codec>" / "backward:<codec>" -> tensors
     _feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # destination peer id -> its residual
 
     def _options(self, codec: str, mb: pb.MicroBatch) -> dict:
@@ -38,6 +46,7 @@ class WirePolicy:
     def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
         if hidden.is_floating_point():
             tensor = tensor_to_pb(hidden, self.forward, **self._options(self.forward, mb))
+            self.sent[f"forward:{self.forward}"] += 1
         else:
             tensor = tensor_to_pb(hidden, "raw")
         act = pb.Activations(mb=mb, hidden=tensor)
@@ -52,16 +61,22 @@ class WirePolicy:
         """The packet carrying ``grad`` back to peer ``to``, whose residual (and only its) rides along."""
         msg = pb.Gradients(mb=mb, loss_sum=loss_sum, tokens=tokens)
         if grad is not None:
-            options = self._options(self.backward, mb)
-            if self.backward in LOSSY and self.error_feedback:
+            codec = self.codec_to(to)
+            options = self._options(codec, mb)
+            if codec in LOSSY and self.error_feedback:
                 try:
-                    enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, self.backward, **options)
+                    enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, codec, **options)
                 except ValueError as e:
                     raise WireError(str(e)) from e
                 msg.grad.CopyFrom(encoded_to_pb(enc))
             else:
-                msg.grad.CopyFrom(tensor_to_pb(grad, self.backward, **options))
+                msg.grad.CopyFrom(tensor_to_pb(grad, codec, **options))
+            self.sent[f"backward:{codec}"] += 1
         return pb.Packet(gradients=msg)
+
+    def codec_to(self, to: str) -> str:
+        """The codec of gradients sent to upstream holder ``to``: its link's, else the run's."""
+        return self.backward_to.get(to, self.backward)
 
     def decode(self, t: pb.Tensor) -> torch.Tensor:
         return tensor_from_pb(t, max_elements=self.max_elements)
