@@ -80,7 +80,10 @@ async def attack(control: str, token: str, blocks: dict[str, tuple[int, int, int
         call = wgrpc.StageStub(ch).Link(timeout=20)
         try:
             for frame in split_packet(hello_packet(up, 0, "imp", PROTOCOL_VERSION), 0):
-                await call.write(frame)
+                try:
+                    await call.write(frame)
+                except asyncio.InvalidStateError:  # refused before our last frame: the status below says how
+                    break
             reasm = Reassembler(max_packet_bytes=1 << 20)
             while (frame := await call.read()) is not grpc.aio.EOF:
                 if reasm.push(frame) is not None:  # the victim answered with its hello: it took us as upstream
