@@ -4,8 +4,8 @@ Pure functions of the placement (blocks and their holders), the peers' measured 
 planned cost model; no I/O. A link is one (upstream holder, downstream holder) pair across the boundary
 between stage ``i`` and ``i + 1``. The rule, per direction:
 
-* The **ladder** is ordered least lossy first (``swarm.config.AUTO_FORWARD_LADDER``: bf16, int8, int4_rot;
-  ``AUTO_BACKWARD_LADDER``: bf16, int8): the codecs whose loss cost measured within about 2% at 300 steps
+* The **ladder** is ordered least lossy first (``swarm.config.AUTO_FORWARD_LADDER`` and
+  ``AUTO_BACKWARD_LADDER``: bf16, int8): the codecs whose loss cost measured within 2% at 300 steps
   (docs/codecs.md).
 * The **budget** of a boundary is the pipeline's bottleneck time per micro-batch without that boundary's
   transfers: the slowest stage of the cost model with the boundary's bytes set to zero (the other

@@ -116,12 +116,12 @@ def test_auto_plans_with_the_smallest_codecs_and_reports_each_links_choice() -> 
     settings = mm.Settings(micro_batch_size=2, context=256, in_flight=4)
     peers = [parse_peer(s) for s in ("8GiB,1gbit", "8GiB,1gbit", "8GiB,10mbit/1gbit")]
     report = plan_report(arch, settings, peers, wire_forward="auto", wire_backward="auto", stages=3, reserve=2**28)
-    assert report["boundary_bytes_per_token"] == {"forward": 256 * (0.5 + 2 / 64), "backward": 256 * (1 + 2 / 64)}
+    assert report["boundary_bytes_per_token"] == {"forward": 256 * (1 + 2 / 64), "backward": 256 * (1 + 2 / 64)}
     links = {x["boundary"]: x for x in report["links"]}
     assert [p["peer"] for p in report["stages"]][0] == "pc2-8G"  # the slow uplink goes first: it sends least
     assert (links[0]["upstream"], links[0]["forward"], links[0]["forward_reason"]) == (
         "pc2-8G",
-        "int4_rot",
+        "int8",
         "smallest: link-bound",
     )
     assert links[0]["forward_mbit_s"] == 10.0 and links[0]["backward"] == "bf16"
