@@ -130,7 +130,9 @@ def test_relay_adds_configured_delay_per_direction():
 
     rtts = asyncio.run(_with_relay(echo, {"delay_ms": 15.0, "source_delay_ms": {"127.0.0.2": 99.0}}, client))
     assert min(rtts) >= 30.0 * 0.98, rtts  # 15 ms each way
-    assert sorted(rtts)[len(rtts) // 2] < 30.0 + 10.0, rtts
+    # ... and not the 99 ms meant for another source (that would be >= 114 ms). The bound is set by that, not by
+    # timer precision: on a loaded machine the relay's sleeps end late (median 40.1 ms seen at load 10).
+    assert sorted(rtts)[len(rtts) // 2] < 30.0 + 99.0 / 2, rtts
 
 
 def test_relay_buffer_is_bounded_when_the_receiver_stalls():
