@@ -36,22 +36,33 @@ LOSSY = {"int8", "int4", "int4_rot"}
 class Variant:
     pair: str
     feedback: str  # "on" / "off" for a lossy backward codec, "" where error feedback does not apply
+    staleness: int = -1  # S of the async schedule; -1: the sync schedule
 
     @property
     def label(self) -> str:
-        return f"{self.pair} ef={self.feedback}" if self.feedback else self.pair
+        label = f"{self.pair} ef={self.feedback}" if self.feedback else self.pair
+        return label if self.staleness < 0 else f"{label} async S={self.staleness}"
+
+    @property
+    def sync_label(self) -> str:
+        """The same codecs on the sync schedule: what an async run is paired with, seed by seed."""
+        return Variant(self.pair, self.feedback).label
 
     def run_name(self, model: str, seed: int) -> str:
         fwd, bwd = self.pair.split("/")
         ef = f"-ef{self.feedback}" if self.feedback else ""
-        return f"conv-{model}-{fwd}-{bwd}{ef}-s{seed}"
+        schedule = f"-async{self.staleness}" if self.staleness >= 0 else ""
+        return f"conv-{model}-{fwd}-{bwd}{ef}{schedule}-s{seed}"
 
 
-def variants(pairs: list[str], feedback: list[str]) -> list[Variant]:
+def variants(pairs: list[str], feedback: list[str], schedules: list[str]) -> list[Variant]:
     out = []
-    for pair in pairs:
-        lossy_backward = pair.split("/")[1] in LOSSY
-        out += [Variant(pair, ef) for ef in feedback] if lossy_backward else [Variant(pair, "")]
+    for schedule in schedules:
+        staleness = -1 if schedule == "sync" else int(schedule.removeprefix("async"))
+        for pair in pairs:
+            lossy_backward = pair.split("/")[1] in LOSSY
+            efs = feedback if lossy_backward else [""]
+            out += [Variant(pair, ef, staleness) for ef in efs]
     return out
 
 
@@ -77,6 +88,8 @@ def run_one(variant: Variant, seed: int, args: argparse.Namespace, runs_dir: Pat
         ]  # fmt: skip
         if variant.feedback:
             cmd += ["--error-feedback-backward", variant.feedback]
+        if variant.staleness >= 0:
+            cmd += ["--schedule", "async", "--max-staleness", str(variant.staleness)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{variant.label} seed {seed} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -95,7 +108,8 @@ def run_one(variant: Variant, seed: int, args: argparse.Namespace, runs_dir: Pat
         flush=True,
     )
     return {
-        "variant": variant.label, "pair": variant.pair, "feedback": variant.feedback, "seed": seed,
+        "variant": variant.label, "sync_variant": variant.sync_label, "pair": variant.pair,
+        "feedback": variant.feedback, "staleness_bound": variant.staleness, "seed": seed,
         "wall_s": time.monotonic() - t0, "evals": evals, "plan": plan, "unsplit_val_loss": unsplit, **summary,
     }  # fmt: skip
 
@@ -139,9 +153,10 @@ def table(results: list[dict], labels: list[str]) -> list[str]:
     base_unsplit = statistics.fmean(r["unsplit_val_loss"] for r in rows[base_label])
     lines = [
         f"| variant | seeds | tokens | val loss mean | std | min..max | vs {base_label} | per seed "
-        f"| unsplit fp32 mean | vs {base_label} | bytes/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        f"| unsplit fp32 mean | vs {base_label} | vs sync, paired by seed | bytes/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|",
     ]
+    by_seed = {(r["variant"], r["seed"]): r for r in results}
     for label, rs in rows.items():
         losses = [r["final_val_loss"] for r in rs]
         mean = statistics.fmean(losses)
@@ -152,9 +167,21 @@ def table(results: list[dict], labels: list[str]) -> list[str]:
         lines.append(
             f"| {label} | {len(rs)} | {rs[0]['tokens']:,} | {mean:.4f} | {std} | {min(losses):.4f}..{max(losses):.4f} "
             f"| {(mean - base) / base * 100:+.2f}% | {per_seed} | {unsplit:.4f} "
-            f"| {(unsplit - base_unsplit) / base_unsplit * 100:+.2f}% | {wire:,.0f} |"
+            f"| {(unsplit - base_unsplit) / base_unsplit * 100:+.2f}% | {paired_gap(rs, by_seed)} | {wire:,.0f} |"
         )
     return lines
+
+
+def paired_gap(rs: list[dict], by_seed: dict[tuple[str, int], dict]) -> str:
+    """An async row against its codecs' sync run of the same seed (same data, same start): mean and range."""
+    gaps = []
+    for r in rs:
+        sync = by_seed.get((r.get("sync_variant", r["variant"]), r["seed"]))
+        if sync is not None and sync is not r:
+            gaps.append((r["final_val_loss"] - sync["final_val_loss"]) / sync["final_val_loss"] * 100)
+    if not gaps:
+        return "–"
+    return f"{statistics.fmean(gaps):+.2f}% ({min(gaps):+.1f}..{max(gaps):+.1f})"
 
 
 def main() -> None:
@@ -167,6 +194,12 @@ def main() -> None:
         default=["off"],
         help="--error-feedback-backward settings to run for each pair with a lossy backward codec",
     )
+    ap.add_argument(
+        "--schedules",
+        nargs="+",
+        default=["sync"],
+        help="'sync' and/or 'asyncS' (the async schedule with --max-staleness S, e.g. async1)",
+    )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="model and data seeds (one run each)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each one is 3 peers + a coordinator)")
     ap.add_argument("--steps", type=int, default=300)
@@ -178,7 +211,10 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs_dir = args.out / "convergence-runs"
-    vs = variants(args.pairs, args.error_feedback)
+    for schedule in args.schedules:
+        if schedule != "sync" and not schedule.removeprefix("async").isdigit():
+            ap.error(f"--schedules: {schedule!r} is neither 'sync' nor 'asyncS' (e.g. async1)")
+    vs = variants(args.pairs, args.error_feedback, args.schedules)
     todo = [(v, seed) for seed in args.seeds for v in vs]  # seed-major: a cut-short table still pairs variants
     print(f"{len(todo)} runs of {args.model}, {args.steps} steps, {args.jobs} at a time", flush=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

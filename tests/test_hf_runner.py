@@ -60,9 +60,11 @@ def test_two_stage_runners_fine_tune_an_hf_checkpoint(tmp_path):
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.3, losses
 
 
-def test_weight_stashing_on_a_lora_block_stashes_and_grads_only_the_adapters(tmp_path):
-    """A stale gradient is recomputed with the adapters its forward saw; the frozen base is shared by every
-    version, so stashing it only costs memory, and a gradient on it would be a full-size tensor nothing clears."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["graph", "activation-checkpointing"])
+def test_a_stale_lora_backward_uses_the_adapters_its_forward_saw_and_keeps_only_them(tmp_path, recompute):
+    """A stale gradient goes through the adapters its forward saw, also when activation checkpointing
+    recomputes the layers in the backward; the frozen base is shared by every version, so keeping it would
+    only cost memory, and a gradient on it would be a full-size tensor nothing clears."""
     path = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
     (tmp_path / "notes.txt").write_text(" ".join(SAMPLE_TEXT) * 20)
     corpus = TokenCorpus.load(tmp_path / "notes.txt", path)
@@ -74,9 +76,8 @@ def test_weight_stashing_on_a_lora_block_stashes_and_grads_only_the_adapters(tmp
         weight_decay=0.0,
         schedule="async",
         max_staleness=1,
-        weight_stashing=True,
     )
-    block = HFStageModel(path, 0, 2, dtype=torch.float32, lora_rank=4)
+    block = HFStageModel(path, 0, 2, dtype=torch.float32, lora_rank=4, activation_checkpointing=recompute)
     runner = stage_runner.StageRunner(hf_model_config(path, 16), train_cfg, 0, 2, model=block)
     frozen = [p for p in runner.model.parameters() if not p.requires_grad]
     assert frozen and runner.trainable
@@ -85,6 +86,7 @@ def test_weight_stashing_on_a_lora_block_stashes_and_grads_only_the_adapters(tmp
         torch.randn(2, 16, runner.model_cfg.d_model, generator=torch.Generator().manual_seed(i)) for i in range(3)
     ]
     version0 = copy.deepcopy(runner.model)
+    version0.activation_checkpointing = False
 
     for mb in range(3):
         runner.forward(mb, ids[mb])

@@ -1,10 +1,9 @@
-"""Bounded staleness: the admission rule, and a stage's own enforcement (drop, recompute, stash)."""
+"""Bounded staleness: the admission rule, and a stage's own enforcement (drop, kept weights)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 import typer
 from hypothesis import given, settings
@@ -70,14 +69,13 @@ def test_admission_never_breaks_the_bound(k: int, s: int, cap: int, moves: list[
         assert a.in_flight <= cap
 
 
-def runner(s: int, stash: bool) -> StageRunner:
+def runner(s: int) -> StageRunner:
     """The first stage of CFG (layer 0 with the embeddings), async with staleness bound ``s``."""
     tc = TrainConfig(
         micro_batches=1,
         micro_batch_size=2,
         schedule="async",
         max_staleness=s,
-        weight_stashing=stash,
         warmup_steps=0,
         lr=1e-2,
     )
@@ -91,29 +89,61 @@ def expected_input_grad(r: StageRunner, params: dict[str, torch.Tensor], x: torc
     return dict(zip(params, grads, strict=True))
 
 
-@pytest.mark.parametrize("stash", [False, True])
-def test_stale_gradient_uses_current_or_stashed_weights(stash: bool) -> None:
+def test_stale_gradient_uses_the_weights_its_forward_saw_with_no_second_forward() -> None:
+    """PipeDream-2BW's rule: the gradient of the forward that ran, applied to the current weights."""
     torch.manual_seed(0)
-    r = runner(s=1, stash=stash)
+    r = runner(s=1)
+    calls = []
+    r.model.register_forward_hook(lambda *_: calls.append(1))
     x1, x2 = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
     g1, g2 = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
     r.forward(1, x1)
     r.forward(2, x2)
     seen_by_forward = {k: p.detach().clone() for k, p in r.model.named_parameters()}
     assert r.backward(1, g1).stepped and r.version == 1
+    trainable_bytes = sum(p.numel() * p.element_size() for p in r.trainable)
+    assert r.kept.held_bytes == trainable_bytes  # one generation kept, for micro-batch 2
     current = {k: p.detach().clone() for k, p in r.model.named_parameters()}
+    assert any(not torch.equal(current[k], seen_by_forward[k]) for k in current)
     r.optimizer.step = lambda: None  # keep the gradients of micro-batch 2 for inspection
     r.optimizer.zero_grad = lambda set_to_none=True: None
     result = r.backward(2, g2)
     assert result.staleness == 1 and not result.dropped
-    want = expected_input_grad(r, seen_by_forward if stash else current, x2, g2)
+    assert len(calls) == 2  # two forwards, none recomputed
+    want = expected_input_grad(r, seen_by_forward, x2, g2)
     for k, p in r.model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6)
-    assert (r.metrics.stash_bytes_peak > 0) == stash
+        assert torch.equal(p.detach(), current[k])  # pointed back at the live weights
+    assert r.metrics.stash_bytes_peak == trainable_bytes
+    assert r.kept.held_bytes == 0  # released with the last graph that needed it
+
+
+def test_a_sync_stage_keeps_no_weights() -> None:
+    r = runner(s=0)
+    for step in range(3):
+        r.forward(step, torch.randint(0, 256, (2, 8)))
+        assert r.backward(step, torch.randn(2, 8, 16)).stepped
+    assert r.metrics.stash_bytes_peak == 0 and r.kept.held_bytes == 0
+
+
+def test_kept_weights_are_bounded_by_the_generations_in_flight() -> None:
+    """S = 2, one micro-batch per step: a generation is kept while a graph needs it, and only then."""
+    r = runner(s=2)
+    one = sum(p.numel() * p.element_size() for p in r.trainable)
+    x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 16)
+    for mb in range(3):
+        r.forward(mb, x)  # generation 0
+    r.backward(0, g)  # step 1: generation 0 kept for micro-batches 1 and 2
+    r.forward(3, x)  # generation 1
+    assert r.backward(1, g).staleness == 1  # step 2: generation 1 kept for micro-batch 3 too
+    assert r.kept.held_bytes == 2 * one
+    assert r.backward(2, g).staleness == 2 and r.kept.held_bytes == one  # generation 0 let go
+    assert r.backward(3, g).staleness == 2 and r.kept.held_bytes == 0
+    assert r.metrics.stash_bytes_peak == 2 * one
 
 
 def test_too_stale_gradients_are_dropped_and_counted() -> None:
-    r = runner(s=0, stash=False)
+    r = runner(s=0)
     r.forward(1, torch.randint(0, 256, (2, 8)))
     r.forward(2, torch.randint(0, 256, (2, 8)))
     assert r.backward(1, torch.randn(2, 8, 16)).stepped

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.config import ModelConfig, TrainConfig
+from swarm.train.kept_weights import KeptWeights
 from swarm.train.model import StageModel
 
 MAX_ABS_ACTIVATION = 1e6  # pre-norm hidden states of a sane model stay far below this
@@ -43,13 +44,23 @@ class BackwardResult:
 
 
 @dataclass
+class _InFlight:
+    """A micro-batch forwarded here whose gradient has not come back yet."""
+
+    x_in: torch.Tensor
+    out: torch.Tensor  # its graph, on the weight generation it was built with
+    version: int  # the optimizer steps its forward had seen
+    generation: int
+
+
+@dataclass
 class StageMetrics:
     forward: int = 0
     backward: int = 0
     dropped: int = 0
     compute_seconds: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)
-    stash_bytes_peak: int = 0
+    stash_bytes_peak: int = 0  # weights kept for stale backwards, at their peak
     in_flight_peak: int = 0
     skipped_steps: int = 0
 
@@ -81,8 +92,8 @@ class StageRunner:
         )
         self.version = 0
         self.metrics = StageMetrics()
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
-        self._stash: dict[int, dict[str, torch.Tensor]] = {}
+        self._pending: dict[int, _InFlight] = {}
+        self.kept = KeptWeights(self._named_trainable())
         self.pending_checkpoint: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._backwards = 0
         self._quotas: deque[int] | None = None  # a replica: gradients per step, learned from step markers
@@ -161,10 +172,14 @@ class StageRunner:
                         return ForwardResult(loss_sum=float(loss), tokens=_count(targets))
                     return ForwardResult(output=out)
             x_in = x if self.is_first else x.detach().requires_grad_(True)
-            out = self.model(x_in)
+            if self.is_last:
+                out = self.model(x_in)
+            else:
+                with self.kept.saving():
+                    out = self.model(x_in)
             self.metrics.forward += 1
             if not self.is_last:
-                self._pending[mb_id] = (x_in, out, self.version)
+                self._pending[mb_id] = _InFlight(x_in, out, self.version, self.kept.track())
                 self.metrics.in_flight_peak = max(self.metrics.in_flight_peak, len(self._pending))
                 return ForwardResult(output=out.detach())
             loss = self.model.loss_sum(out, targets.to(self.device).long())
@@ -188,15 +203,15 @@ class StageRunner:
     def backward(self, mb_id: int, grad_output: torch.Tensor | None) -> BackwardResult:
         """Back-propagate the gradient of this stage's output, unless it is too stale to apply.
 
-        ``grad_output`` None means a later stage dropped this micro-batch: drop it here too.
-        A gradient whose forward ran on older weights is recomputed: with the weights that forward
-        saw when weight stashing is on (PipeDream), else with the current weights.
+        ``grad_output`` None means a later stage dropped this micro-batch: drop it here too. A stale
+        gradient goes through the graph its forward built, on the weights that forward saw (kept for it),
+        and lands on the current weights: PipeDream-2BW's rule, with no second forward.
         """
         if mb_id not in self._pending:
             raise StageInputError(f"gradient for micro-batch {mb_id}, which is not in flight on this stage")
-        x_in, out, version = self._pending[mb_id]
+        entry = self._pending[mb_id]
         if grad_output is not None:
-            expected = self.model_output_shape(x_in)
+            expected = self.model_output_shape(entry.x_in)
             if tuple(grad_output.shape) != expected:
                 raise StageInputError(
                     f"gradient shape {list(grad_output.shape)} does not match output {list(expected)}"
@@ -204,19 +219,20 @@ class StageRunner:
             if not grad_output.is_floating_point() or not bool(torch.isfinite(grad_output).all()):
                 raise StageInputError("gradient is not a finite floating-point tensor")
         del self._pending[mb_id]
-        staleness = self.version - version
+        staleness = self.version - entry.version
         if grad_output is None or staleness > self.train_cfg.staleness_bound:
             self.metrics.dropped += 1
-            self._release_stash(version)
+            self.kept.release(entry.generation)
             stepped = self.count_lost()  # a drop still belongs to its step: versions must not lag the data
             return BackwardResult(dropped=True, staleness=staleness, stepped=stepped)
         t0 = time.perf_counter()
         grad = grad_output.to(device=self.device, dtype=torch.float32)
-        if staleness == 0 and out is not None:
-            out.backward(grad)
-            input_grad = None if self.is_first else x_in.grad
-        else:
-            input_grad = self._recompute_backward(x_in, grad, version)
+        try:
+            with self.kept.using(entry.generation):
+                entry.out.backward(grad)
+        finally:
+            self.kept.release(entry.generation)
+        input_grad = None if self.is_first else entry.x_in.grad
         self.metrics.backward += 1
         stepped = self._after_backward(staleness)
         self.metrics.compute_seconds += time.perf_counter() - t0
@@ -225,35 +241,11 @@ class StageRunner:
     def model_output_shape(self, x_in: torch.Tensor) -> tuple[int, ...]:
         return (*x_in.shape[:2], self.model_cfg.d_model)
 
-    def _recompute_backward(self, x_in: torch.Tensor, grad: torch.Tensor, version: int) -> torch.Tensor | None:
-        x = x_in.detach() if self.is_first else x_in.detach().requires_grad_(True)
-        stashed = self._stash.get(version)
-        if stashed is None:
-            self.model(x).backward(grad)
-        else:
-            params = {k: v.requires_grad_(True) for k, v in stashed.items()}  # only trainable ones: the frozen
-            out = torch.func.functional_call(self.model, params, (x,))  # base is the same in every version
-            inputs = list(params.values()) + ([] if self.is_first else [x])
-            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-            current = dict(self.model.named_parameters())
-            for name, g in zip(params, grads, strict=False):  # grads follow params' order, then x
-                if g is not None:
-                    p = current[name]
-                    p.grad = g if p.grad is None else p.grad.add_(g)
-            self._release_stash(version)
-            return None if self.is_first else grads[-1]
-        self._release_stash(version)
-        return None if self.is_first else x.grad
-
-    def _release_stash(self, version: int) -> None:
-        if version in self._stash and not any(v == version for _, _, v in self._pending.values()):
-            del self._stash[version]
-
     def drop(self, mb_id: int) -> bool:
         """Forget an in-flight micro-batch whose gradient will never come."""
         entry = self._pending.pop(mb_id, None)
         if entry is not None:
-            self._release_stash(entry[2])
+            self.kept.release(entry.generation)
         return entry is not None
 
     def _after_backward(self, staleness: int) -> bool:
@@ -329,8 +321,7 @@ class StageRunner:
         missing = set(self.anchor) - set(average)
         if missing:
             raise ValueError(f"the average lacks {sorted(missing)[:3]}")
-        for mb, (x_in, _, v) in list(self._pending.items()):  # their graphs die with this in-place update
-            self._pending[mb] = (x_in, None, v)
+        self._keep_for_graphs()
         with torch.no_grad():
             for name, p in self._named_trainable():
                 change = average[name].to(device=p.device, dtype=p.dtype)
@@ -366,20 +357,18 @@ class StageRunner:
             grads = []
         if self.train_cfg.grad_clip > 0 and grads:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.train_cfg.grad_clip)
-        waiting = [mb for mb, (_, _, v) in self._pending.items() if v == self.version]
-        if waiting and self.train_cfg.weight_stashing:
-            self._stash[self.version] = {k: p.detach().clone() for k, p in self._named_trainable()}
-            held = sum(t.numel() * t.element_size() for st in self._stash.values() for t in st.values())
-            self.metrics.stash_bytes_peak = max(self.metrics.stash_bytes_peak, held)
-        for mb in waiting:  # their graphs die with this in-place update; keep only the inputs
-            x_in, _, v = self._pending[mb]
-            self._pending[mb] = (x_in, None, v)
+        self._keep_for_graphs()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         every = self.train_cfg.checkpoint_every
         if every and self.version % every == 0:  # taken here, so no later step can slip in before it
             self.pending_checkpoint = (self.version, *self.checkpoint_state())
+
+    def _keep_for_graphs(self) -> None:
+        """The trainable weights are about to change in place: keep this generation for graphs in flight."""
+        self.kept.before_update()
+        self.metrics.stash_bytes_peak = max(self.metrics.stash_bytes_peak, self.kept.peak_bytes)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of this block: everything, or only the adapters of a frozen base."""
@@ -421,7 +410,7 @@ class StageRunner:
                     }
         self.version = version
         self._pending.clear()
-        self._stash.clear()
+        self.kept.clear()
         self._backwards = 0
         if self._quotas is not None:
             self._quotas.clear()

@@ -1,0 +1,118 @@
+"""Weights kept for the micro-batches in flight, so that a stale backward needs no second forward.
+
+Under the async schedule a stage updates its weights while micro-batches forwarded on the old ones still
+wait for their gradients. Their autograd graphs saved the weight tensors, which the optimizer's in-place
+update would invalidate; recomputing each stale forward (PipeDream's weight stashing) cost a quarter of
+the step time. Instead, a graph saves a trainable parameter by name (saved-tensor hooks), a copy of the
+trainable parameters is kept once per weight generation that still has graphs in flight (PipeDream-2BW's
+double buffer, generalised to the S + 1 versions a staleness bound S allows), and a stale backward runs
+with the parameters pointed at that copy. The gradient still lands in the live parameters' ``.grad``.
+Only trainable parameters are kept: a frozen base is the same in every generation. Activation
+checkpointing's recompute reads the parameters too, so it also sees the generation its forward saw.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class _ParamRef:
+    """What a graph saves in place of a trainable parameter (or a view of one, such as ``weight.t()``)."""
+
+    name: str
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the parameter's own
+
+
+class KeptWeights:
+    """The weight generations that graphs in flight were built on; the live parameters are the newest."""
+
+    def __init__(self, named_trainable: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self._params = dict(named_trainable)
+        self.generation = 0  # counts in-place changes of the trainable parameters
+        self._kept: dict[int, dict[str, torch.Tensor]] = {}
+        self._graphs: Counter[int] = Counter()  # graphs in flight per generation
+        self._storage: dict[int, str] = {}
+        self.peak_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kept in self._kept.values() for t in kept.values())
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Run a forward whose graph may outlive the next weight update."""
+        self._storage = {p.untyped_storage().data_ptr(): name for name, p in self._params.items()}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _ParamRef:
+        if not t.requires_grad or t.layout != torch.strided:
+            return t
+        try:
+            name = self._storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+            return t
+        if name is None:
+            return t
+        own = self._params[name].storage_offset()
+        return _ParamRef(name, t.size(), t.stride(), t.storage_offset() - own)
+
+    def _unpack(self, saved: torch.Tensor | _ParamRef) -> torch.Tensor:
+        if not isinstance(saved, _ParamRef):
+            return saved
+        p = self._params[saved.name]  # during a stale backward, pointed at the kept generation
+        return p.detach().as_strided(saved.size, saved.stride, p.storage_offset() + saved.offset)
+
+    def track(self) -> int:
+        """A graph on the current generation is now in flight; returns its generation."""
+        self._graphs[self.generation] += 1
+        return self.generation
+
+    def release(self, generation: int) -> None:
+        """A graph is done (back-propagated or dropped); forget its generation when it was the last."""
+        self._graphs[generation] -= 1
+        if self._graphs[generation] <= 0:
+            del self._graphs[generation]
+            self._kept.pop(generation, None)
+
+    def before_update(self) -> None:
+        """Call before the trainable parameters change in place: keep them if graphs still need them."""
+        if self._graphs.get(self.generation, 0) > 0:
+            self._kept[self.generation] = {
+                n: p.detach().clone(memory_format=torch.preserve_format) for n, p in self._params.items()
+            }
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        self.generation += 1
+
+    @contextmanager
+    def using(self, generation: int) -> Iterator[None]:
+        """Point the parameters at ``generation``'s values for one backward, then back at the live ones."""
+        if generation == self.generation:
+            yield
+            return
+        kept = self._kept.get(generation)
+        if kept is None:
+            raise RuntimeError(f"weight generation {generation} was not kept (live: {self.generation})")
+        live: dict[str, torch.Tensor] = {}
+        try:
+            for name, p in self._params.items():
+                live[name] = p.data
+                p.data = kept[name]
+            yield
+        finally:
+            for name, data in live.items():
+                self._params[name].data = data
+
+    def clear(self) -> None:
+        """Every graph in flight is gone (a restore): nothing needs keeping."""
+        self._kept.clear()
+        self._graphs.clear()
+        self.generation += 1
