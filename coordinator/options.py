@@ -44,7 +44,6 @@ class RunOptions:
     error_feedback_backward: bool
     schedule: str
     max_staleness: int
-    weight_stashing: bool
     max_in_flight: int
     grad_clip: float | None
     checkpoint_every: int
@@ -135,7 +134,6 @@ class RunOptions:
             error_feedback_backward=self.error_feedback_backward,
             schedule=self.schedule,
             max_staleness=self.max_staleness,
-            weight_stashing=self.weight_stashing,
             max_in_flight=self.max_in_flight,
             grad_clip=self.grad_clip if self.grad_clip is not None else self.default_grad_clip,
             checkpoint_every=self.checkpoint_every,
@@ -245,13 +243,6 @@ def _train_params(
     max_staleness: Annotated[
         int, typer.Option(min=0, help="Async: apply no gradient more than S weight versions late; 0 is exactly sync.")
     ] = 1,
-    weight_stashing: Annotated[
-        bool,
-        typer.Option(
-            help="Async: backward with the weights the forward used "
-            "(PipeDream); costs one copy of the trainable parameters per version in flight."
-        ),
-    ] = False,
     max_in_flight: Annotated[
         int, typer.Option(min=0, help="Micro-batches in the pipeline at once (0: (S+1) x micro-batches).")
     ] = 0,
@@ -304,7 +295,7 @@ def _train_params(
     activation_checkpointing: Annotated[
         bool,
         typer.Option(
-            "--activation-checkpointing",
+            "--activation-checkpointing/--no-activation-checkpointing",
             help="Keep only each layer's input per micro-batch in flight; recompute the layer in the backward pass.",
         ),
     ] = False,
@@ -366,7 +357,6 @@ def _train_params(
         error_feedback_backward == "on",
         schedule,
         max_staleness if schedule == "async" else 0,
-        weight_stashing,
         max_in_flight,
         grad_clip,
         checkpoint_every,

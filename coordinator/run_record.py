@@ -204,7 +204,7 @@ class RunRecord:
             "bubble_fraction": (st.idle_seconds - base.idle_seconds) / wall if wall > 0 else None,
             "compute_seconds": st.compute_seconds - base.compute_seconds,
             "bytes_sent": st.bytes_sent,
-            "stash_bytes_peak": st.stash_bytes_peak,
+            "kept_weights_bytes_peak": st.kept_weights_bytes_peak,
             "in_flight_peak": st.in_flight_peak,
             "average_rounds": st.average_rounds,
             "average_bytes": st.average_bytes,

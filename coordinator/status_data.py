@@ -21,7 +21,8 @@ renamed); :meth:`SwarmStatus.to_dict` is the same without ``verdict`` and the de
              "recovering", "recovering_layers": [a, b] | null, "waiting": str},
      "peers": [{"name", "device", "block": [a, b], "state", "tokens_per_s", "up_mbit_s", "down_mbit_s",
                 "staleness_counts": [int], "staleness_p50", "staleness_p99", "heartbeat_age_s",
-                "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction"}],
+                "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction",
+                "kept_weights_bytes_peak"}],
      "blocks": [{"layers": [a, b], "replicas": int, "covered": bool, "bottleneck": bool}],
      "excluded": [{"name": str, "reason": str}],
      "links": [{"boundary": int, "upstream": str, "downstream": str, "forward": str, "backward": str,
@@ -88,6 +89,7 @@ class PeerStatus:
     dropped_recent: int = 0  # in the last window: > 0 means the total is rising
     refused_recent: int = 0
     bubble_fraction: float | None = None
+    kept_weights_bytes_peak: int = 0  # trainable weights kept for stale backwards (async), at their peak
 
     @property
     def staleness_p50(self) -> int | None:
@@ -205,6 +207,7 @@ class SwarmStatus:
                     dropped_recent=p.count("dropped_recent", default=0),
                     refused_recent=p.count("refused_recent", default=0),
                     bubble_fraction=p.num("bubble_fraction"),
+                    kept_weights_bytes_peak=p.count("kept_weights_bytes_peak", default=0),
                 )
                 for p in r.subs("peers", MAX_PEERS)
             ),
@@ -371,6 +374,7 @@ def peer_status_from_stats(
         dropped_recent=rates.dropped,
         refused_recent=rates.refused,
         bubble_fraction=rates.bubble_fraction,
+        kept_weights_bytes_peak=now.kept_weights_bytes_peak,
     )
 
 

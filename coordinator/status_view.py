@@ -62,14 +62,14 @@ def peers_table(status: SwarmStatus, v: Verdict) -> Table:
         ("block", "left"),
         ("state", "left"),
         ("tok/s", "right"),
-        ("up Mbit/s", "right"),
-        ("down Mbit/s", "right"),
-        ("stale p50/p99", "right"),
+        ("Mbit/s up/down", "right"),
+        ("stale 0/1/…", "right"),
+        ("bubble", "right"),
+        ("kept", "right"),
         ("heartbeat", "right"),
     ):
         t.add_column(col, justify=justify)
     for p in sorted(status.peers, key=lambda p: (p.block, p.name)):
-        stale = "-" if p.staleness_p50 is None else f"{p.staleness_p50}/{p.staleness_p99}"
         style = {"broken": "red", "degraded": "yellow"}.get(flagged.get(p.name, ""), "")
         t.add_row(
             p.name,
@@ -77,9 +77,10 @@ def peers_table(status: SwarmStatus, v: Verdict) -> Table:
             layers_text(p.block),
             p.state,
             _fmt(p.tokens_per_s, ",.0f"),
-            _fmt(p.up_mbit_s, ".1f"),
-            _fmt(p.down_mbit_s, ".1f"),
-            stale,
+            f"{_fmt(p.up_mbit_s, '.1f')}/{_fmt(p.down_mbit_s, '.1f')}",
+            staleness_histogram(p.staleness_counts),
+            _fmt(p.bubble_fraction, ".0%"),
+            _bytes(p.kept_weights_bytes_peak),
             f"{p.heartbeat_age_s:.0f} s ago",
             style=style,
         )
@@ -160,6 +161,20 @@ def render(status: SwarmStatus, console: Console) -> Verdict:
     v = verdict(status)
     console.print(renderable(status, v))
     return v
+
+
+def staleness_histogram(counts: tuple[int, ...]) -> str:
+    """Applied gradients by staleness 0, 1, 2, … as percentages: "14/86" is 14% fresh, 86% one version late."""
+    total = sum(counts)
+    if not total:
+        return "-"
+    return "/".join(f"{100 * n / total:.0f}" for n in counts) + "%"
+
+
+def _bytes(n: int) -> str:
+    if n <= 0:
+        return "-"
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
 def _fmt(x: float | None, spec: str) -> str:

@@ -44,7 +44,7 @@ def stage_stats(stage: Stage | None, compute: ComputeWorker) -> cpb.StageStats:
         staleness_counts=m.staleness_counts(),
         idle_seconds=idle.idle_seconds,
         wall_seconds=idle.wall_seconds,
-        stash_bytes_peak=m.stash_bytes_peak,
+        kept_weights_bytes_peak=m.kept_weights_bytes_peak,
         in_flight_peak=m.in_flight_peak,
         average_rounds=group.rounds_applied if group else 0,
         average_bytes=group.bytes if group else 0,

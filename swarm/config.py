@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 # 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan; 4: HFConfig.quant;
 # 5: the plan names each link's codecs (Plan.links) and TrainConfig can leave them to it (wire_*_auto)
-PROTOCOL_VERSION = 5
+# 6: a stale backward uses the weights its forward saw (no weight_stashing flag, no recompute)
+PROTOCOL_VERSION = 6
 SCHEDULES = ("sync", "async")
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,
@@ -106,7 +107,6 @@ class TrainConfig:
     eval_batches: int = 8
     schedule: str = "sync"
     max_staleness: int = 0
-    weight_stashing: bool = False
     max_in_flight: int = 0
     checkpoint_every: int = 0
     wire_forward: str = "fp32"

@@ -23,7 +23,7 @@ peer: ``ravn_peer_stage``, ``ravn_peer_layer_start``, ``ravn_peer_layer_end``,
 ``ravn_peer_download_mbit_per_second``, ``ravn_peer_bubble_fraction``, ``ravn_peer_gradient_staleness``
 (histogram, buckets in weight versions), ``ravn_peer_dropped_gradients_total``,
 ``ravn_peer_refused_packets_total``, ``ravn_peer_weight_version``, ``ravn_peer_in_flight_peak``,
-``ravn_peer_stash_peak_bytes``.
+``ravn_peer_kept_weights_peak_bytes``.
 
 coordinator: ``ravn_run_info`` (labels swarm, run), ``ravn_run_step``, ``ravn_run_total_steps``,
 ``ravn_run_train_loss``, ``ravn_run_val_loss``, ``ravn_run_tokens_total``, ``ravn_run_tokens_per_second``,
@@ -203,7 +203,11 @@ class PeerMetrics(Collector):
         yield by_sender
         yield gauge("ravn_peer_weight_version", "Optimizer steps this stage has applied.", s.weight_version)
         yield gauge("ravn_peer_in_flight_peak", "Most micro-batches held at once by this stage.", s.in_flight_peak)
-        yield gauge("ravn_peer_stash_peak_bytes", "Peak memory held by weight stashing.", s.stash_bytes_peak)
+        yield gauge(
+            "ravn_peer_kept_weights_peak_bytes",
+            "Peak memory of trainable weights kept for stale backwards.",
+            s.kept_weights_bytes_peak,
+        )
 
 
 def _staleness_histogram(labels: list[str], value: list[str], counts: list[int]) -> HistogramMetricFamily:

@@ -47,7 +47,7 @@ def make_app(default_file: Path | None = None) -> typer.Typer:
     @with_train_options
     def serve(options: RunOptions, port: int = 31337, peers: int = 3) -> None:
         typer.echo(json.dumps({"port": port, "peers": peers, "steps": options.steps, "model": options.model,
-                               "weight_stashing": options.weight_stashing}))
+                               "activation_checkpointing": options.activation_checkpointing}))
 
     return enable_config(app, sections={"join": "peer.join", "serve": "coordinator.serve"},
                          default_file=default_file)
@@ -98,7 +98,7 @@ key-file = "/keys/c.pem"
 [coordinator.serve]
 steps = 42
 model = "gpt-tiny"
-weight_stashing = true
+activation_checkpointing = true
 
 [local]                    # another program's table: skipped
 peers = 9
@@ -118,7 +118,7 @@ def test_file_sections_flat_keys_and_parent_tables(tmp_path: Path) -> None:
     assert joined["swarm"] == "flat-swarm" and joined["host"] == "10.0.0.1" and joined["verbose"] is True
     assert joined["initial_peers"] == ["/ip4/1.2.3.4/tcp/31338/p2p/A", "/ip4/5.6.7.8/tcp/31338/p2p/B"]
     served = run(["serve", "--config", cfg])
-    assert served == {"port": 1000, "peers": 3, "steps": 42, "model": "gpt-tiny", "weight_stashing": True}
+    assert served == {"port": 1000, "peers": 3, "steps": 42, "model": "gpt-tiny", "activation_checkpointing": True}
 
 
 def test_precedence_command_line_over_env_over_file_over_default(tmp_path: Path) -> None:
@@ -128,7 +128,7 @@ def test_precedence_command_line_over_env_over_file_over_default(tmp_path: Path)
     assert run(["join", "--config", cfg, "--port", "4000"], env={"RAVN_PORT": "3000"})["port"] == 4000
     assert run(["serve", "--config", cfg], env={"RAVN_STEPS": "7"})["steps"] == 7
     assert run(["serve", "--config", cfg, "--steps", "8"], env={"RAVN_STEPS": "7"})["steps"] == 8
-    assert run(["serve", "--config", cfg, "--no-weight-stashing"])["weight_stashing"] is False
+    assert run(["serve", "--config", cfg, "--no-activation-checkpointing"])["activation_checkpointing"] is False
     # an option's own envvar (RAVN_SWARM) and the automatic one agree on the name
     assert run(["join", "--config", cfg], env={"RAVN_SWARM": "env-swarm"})["swarm"] == "env-swarm"
 

@@ -93,7 +93,7 @@ def test_a_stale_lora_backward_uses_the_adapters_its_forward_saw_and_keeps_only_
     assert not runner.backward(0, grad_out[0]).stepped
     assert runner.backward(1, grad_out[1]).stepped  # version 1; micro-batch 2 ran its forward on version 0
     adapter_bytes = sum(p.numel() * p.element_size() for p in runner.trainable)
-    assert runner.metrics.stash_bytes_peak == adapter_bytes
+    assert runner.metrics.kept_weights_bytes_peak == adapter_bytes
     assert runner.backward(2, grad_out[2]).staleness == 1
 
     version0(ids[2]).backward(grad_out[2])

@@ -44,7 +44,7 @@ def test_peer_metrics_over_http(server: MetricsServer) -> None:
     peer.update(stats(forward_micro_batches=30, backward_micro_batches=28, bytes_sent=3_500_000,
                       bytes_received=4_000_000, compute_seconds=7.5, idle_seconds=1.5, wall_seconds=12.0,
                       weight_version=7, dropped=2, refused=1, staleness_counts=[5, 3, 2], in_flight_peak=9,
-                      stash_bytes_peak=4096))
+                      kept_weights_bytes_peak=4096))
     port = server.start(0)
     assert port > 0
     m = scrape(port)
@@ -64,7 +64,7 @@ def test_peer_metrics_over_http(server: MetricsServer) -> None:
     assert m[("ravn_peer_refused_packets_total", p)] == 1
     assert m[("ravn_peer_weight_version", p)] == 7
     assert m[("ravn_peer_in_flight_peak", p)] == 9
-    assert m[("ravn_peer_stash_peak_bytes", p)] == 4096
+    assert m[("ravn_peer_kept_weights_peak_bytes", p)] == 4096
     buckets = {le: m[("ravn_peer_gradient_staleness_bucket", (("le", le), ("peer", "p1")))]
                for le in ("0", "1", "2", "+Inf")}
     assert buckets == {"0": 5, "1": 8, "2": 10, "+Inf": 10}

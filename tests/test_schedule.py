@@ -114,7 +114,7 @@ def test_stale_gradient_uses_the_weights_its_forward_saw_with_no_second_forward(
     for k, p in r.model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6)
         assert torch.equal(p.detach(), current[k])  # pointed back at the live weights
-    assert r.metrics.stash_bytes_peak == trainable_bytes
+    assert r.metrics.kept_weights_bytes_peak == trainable_bytes
     assert r.kept.held_bytes == 0  # released with the last graph that needed it
 
 
@@ -123,7 +123,7 @@ def test_a_sync_stage_keeps_no_weights() -> None:
     for step in range(3):
         r.forward(step, torch.randint(0, 256, (2, 8)))
         assert r.backward(step, torch.randn(2, 8, 16)).stepped
-    assert r.metrics.stash_bytes_peak == 0 and r.kept.held_bytes == 0
+    assert r.metrics.kept_weights_bytes_peak == 0 and r.kept.held_bytes == 0
 
 
 def test_kept_weights_are_bounded_by_the_generations_in_flight() -> None:
@@ -139,7 +139,7 @@ def test_kept_weights_are_bounded_by_the_generations_in_flight() -> None:
     assert r.kept.held_bytes == 2 * one
     assert r.backward(2, g).staleness == 2 and r.kept.held_bytes == one  # generation 0 let go
     assert r.backward(3, g).staleness == 2 and r.kept.held_bytes == 0
-    assert r.metrics.stash_bytes_peak == 2 * one
+    assert r.metrics.kept_weights_bytes_peak == 2 * one
 
 
 def test_too_stale_gradients_are_dropped_and_counted() -> None:
@@ -153,3 +153,19 @@ def test_too_stale_gradients_are_dropped_and_counted() -> None:
     assert result.dropped and r.metrics.dropped == 1 and r.version == 2
     assert all(torch.equal(before[k], p) for k, p in r.model.named_parameters())
     assert r.in_flight == 0
+
+
+def test_a_graph_that_will_be_too_stale_keeps_no_weights_and_its_gradient_is_dropped() -> None:
+    """S = 1: micro-batch 0's forward saw version 0; after two steps nothing will apply its gradient, so no
+    copy of version 0 is kept for it, and the gradient, when it comes, is dropped and counted."""
+    r = runner(s=1)
+    one = sum(p.numel() * p.element_size() for p in r.trainable)
+    x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 16)
+    for mb in range(3):
+        r.forward(mb, x)
+    r.backward(1, g)  # step 1: generation 0 kept for micro-batches 0 and 2
+    assert r.kept.held_bytes == one
+    r.backward(2, g)  # step 2: micro-batch 0 would be two versions late
+    assert r.kept.held_bytes == 0
+    result = r.backward(0, g)
+    assert result.dropped and r.metrics.dropped == 1 and r.in_flight == 0

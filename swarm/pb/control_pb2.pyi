@@ -24,7 +24,7 @@ class ModelConfig(_message.Message):
     def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., vocab_size: _Optional[int] = ..., context: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "weight_stashing", "max_in_flight", "checkpoint_every", "average_every", "average_codec", "outer_lr", "outer_momentum", "average_timeout", "error_feedback_backward", "wire_forward_auto", "wire_backward_auto")
+    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "max_in_flight", "checkpoint_every", "average_every", "average_codec", "outer_lr", "outer_momentum", "average_timeout", "error_feedback_backward", "wire_forward_auto", "wire_backward_auto")
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -39,7 +39,6 @@ class TrainConfig(_message.Message):
     WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_STASHING_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
@@ -64,7 +63,6 @@ class TrainConfig(_message.Message):
     warmup_steps: float
     grad_clip: float
     max_staleness: int
-    weight_stashing: bool
     max_in_flight: int
     checkpoint_every: int
     average_every: int
@@ -75,7 +73,7 @@ class TrainConfig(_message.Message):
     error_feedback_backward: bool
     wire_forward_auto: bool
     wire_backward_auto: bool
-    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., weight_stashing: _Optional[bool] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., average_every: _Optional[int] = ..., average_codec: _Optional[_Union[_wire_pb2.Codec, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_timeout: _Optional[float] = ..., error_feedback_backward: _Optional[bool] = ..., wire_forward_auto: _Optional[bool] = ..., wire_backward_auto: _Optional[bool] = ...) -> None: ...
+    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., average_every: _Optional[int] = ..., average_codec: _Optional[_Union[_wire_pb2.Codec, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_timeout: _Optional[float] = ..., error_feedback_backward: _Optional[bool] = ..., wire_forward_auto: _Optional[bool] = ..., wire_backward_auto: _Optional[bool] = ...) -> None: ...
 
 class HFConfig(_message.Message):
     __slots__ = ("path", "dtype", "lora_rank", "lora_alpha", "lora_targets", "config_sha256", "quant", "activation_checkpointing")
@@ -188,7 +186,7 @@ class Command(_message.Message):
     def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stop_training: _Optional[_Union[StopTraining, _Mapping]] = ..., update: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "stash_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches", "rejected", "rejected_by_sender", "memory", "sent_codecs")
+    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "kept_weights_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches", "rejected", "rejected_by_sender", "memory", "sent_codecs")
     class RejectedBySenderEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -214,7 +212,7 @@ class StageStats(_message.Message):
     STALENESS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    STASH_BYTES_PEAK_FIELD_NUMBER: _ClassVar[int]
+    KEPT_WEIGHTS_BYTES_PEAK_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_PEAK_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -235,7 +233,7 @@ class StageStats(_message.Message):
     staleness_counts: _containers.RepeatedScalarFieldContainer[int]
     idle_seconds: float
     wall_seconds: float
-    stash_bytes_peak: int
+    kept_weights_bytes_peak: int
     in_flight_peak: int
     average_rounds: int
     average_bytes: int
@@ -245,7 +243,7 @@ class StageStats(_message.Message):
     rejected_by_sender: _containers.ScalarMap[str, int]
     memory: StageMemory
     sent_codecs: _containers.ScalarMap[str, int]
-    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., stash_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., sent_codecs: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., kept_weights_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., sent_codecs: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StageMemory(_message.Message):
     __slots__ = ("rss_before", "anon_before", "load_peak", "resident_after_build", "anon_after_build", "train_peak", "cuda_before", "cuda_load_peak", "cuda_train_peak", "block_bytes", "largest_tensor_bytes", "hwm_reset")

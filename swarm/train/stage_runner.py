@@ -48,7 +48,7 @@ class _InFlight:
     """A micro-batch forwarded here whose gradient has not come back yet."""
 
     x_in: torch.Tensor
-    out: torch.Tensor  # its graph, on the weight generation it was built with
+    out: torch.Tensor | None  # its graph, on the weight generation it was built with; None: let go, too stale
     version: int  # the optimizer steps its forward had seen
     generation: int
 
@@ -60,7 +60,7 @@ class StageMetrics:
     dropped: int = 0
     compute_seconds: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)
-    stash_bytes_peak: int = 0  # weights kept for stale backwards, at their peak
+    kept_weights_bytes_peak: int = 0  # weights kept for stale backwards, at their peak
     in_flight_peak: int = 0
     skipped_steps: int = 0
 
@@ -220,9 +220,10 @@ class StageRunner:
                 raise StageInputError("gradient is not a finite floating-point tensor")
         del self._pending[mb_id]
         staleness = self.version - entry.version
-        if grad_output is None or staleness > self.train_cfg.staleness_bound:
+        if grad_output is None or entry.out is None or staleness > self.train_cfg.staleness_bound:
             self.metrics.dropped += 1
-            self.kept.release(entry.generation)
+            if entry.out is not None:
+                self.kept.release(entry.generation)
             stepped = self.count_lost()  # a drop still belongs to its step: versions must not lag the data
             return BackwardResult(dropped=True, staleness=staleness, stepped=stepped)
         t0 = time.perf_counter()
@@ -244,7 +245,7 @@ class StageRunner:
     def drop(self, mb_id: int) -> bool:
         """Forget an in-flight micro-batch whose gradient will never come."""
         entry = self._pending.pop(mb_id, None)
-        if entry is not None:
+        if entry is not None and entry.out is not None:
             self.kept.release(entry.generation)
         return entry is not None
 
@@ -357,6 +358,7 @@ class StageRunner:
             grads = []
         if self.train_cfg.grad_clip > 0 and grads:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.train_cfg.grad_clip)
+        self._let_go_of_graphs_older_than(self.version + 1 - self.train_cfg.staleness_bound)
         self._keep_for_graphs()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -365,10 +367,19 @@ class StageRunner:
         if every and self.version % every == 0:  # taken here, so no later step can slip in before it
             self.pending_checkpoint = (self.version, *self.checkpoint_state())
 
+    def _let_go_of_graphs_older_than(self, version: int) -> None:
+        """Their gradients will break the staleness bound and be dropped: keep no weights for them.
+
+        So the kept weights are at most S generations, whatever a slow peer does."""
+        for entry in self._pending.values():
+            if entry.out is not None and entry.version < version:
+                entry.out = None
+                self.kept.release(entry.generation)
+
     def _keep_for_graphs(self) -> None:
         """The trainable weights are about to change in place: keep this generation for graphs in flight."""
         self.kept.before_update()
-        self.metrics.stash_bytes_peak = max(self.metrics.stash_bytes_peak, self.kept.peak_bytes)
+        self.metrics.kept_weights_bytes_peak = max(self.metrics.kept_weights_bytes_peak, self.kept.peak_bytes)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of this block: everything, or only the adapters of a frozen base."""
