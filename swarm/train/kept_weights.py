@@ -9,12 +9,17 @@ double buffer, generalised to the S + 1 versions a staleness bound S allows), an
 with the parameters pointed at that copy. The gradient still lands in the live parameters' ``.grad``.
 Only trainable parameters are kept: a frozen base is the same in every generation. Activation
 checkpointing's recompute reads the parameters too, so it also sees the generation its forward saw.
+
+A forward may also run on *predicted* weights (``look_ahead``): the weights expected after the updates
+that will land before its gradient comes back, so that the late gradient is nearly the one a sync
+schedule would have computed (weight prediction, as in PipeMare and SpecTrain). Those weights are kept
+the same way, under the key ``(generation, steps ahead)``; the live weights are ``(generation, 0)``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,16 +36,23 @@ class _ParamRef:
     offset: int  # storage offset relative to the parameter's own
 
 
+Key = tuple[int, int]  # (generation, steps ahead): the weights a graph was built on
+
+
 class KeptWeights:
-    """The weight generations that graphs in flight were built on; the live parameters are the newest."""
+    """The weight versions that graphs in flight were built on; the live parameters are the newest."""
 
     def __init__(self, named_trainable: list[tuple[str, torch.nn.Parameter]]) -> None:
         self._params = dict(named_trainable)
         self.generation = 0  # counts in-place changes of the trainable parameters
-        self._kept: dict[int, dict[str, torch.Tensor]] = {}
-        self._graphs: Counter[int] = Counter()  # graphs in flight per generation
+        self._kept: dict[Key, dict[str, torch.Tensor]] = {}
+        self._graphs: Counter[Key] = Counter()  # graphs in flight per weight version
         self._storage: dict[int, str] = {}
         self.peak_bytes = 0
+
+    @property
+    def live(self) -> Key:
+        return (self.generation, 0)
 
     @property
     def held_bytes(self) -> int:
@@ -71,36 +83,54 @@ class KeptWeights:
         p = self._params[saved.name]  # during a stale backward, pointed at the kept generation
         return p.detach().as_strided(saved.size, saved.stride, p.storage_offset() + saved.offset)
 
-    def track(self) -> int:
-        """A graph on the current generation is now in flight; returns its generation."""
-        self._graphs[self.generation] += 1
-        return self.generation
+    def look_ahead(self, steps: int, predict: Callable[[int], dict[str, torch.Tensor] | None]) -> Key:
+        """The weights a forward should run on when its gradient will come back ``steps`` updates later.
 
-    def release(self, generation: int) -> None:
-        """A graph is done (back-propagated or dropped); forget its generation when it was the last."""
-        self._graphs[generation] -= 1
-        if self._graphs[generation] <= 0:
-            del self._graphs[generation]
-            self._kept.pop(generation, None)
+        ``predict(steps)`` gives them (None: no prediction possible yet, e.g. before the first update);
+        they are made once per generation and shared by every forward with the same ``steps``."""
+        key = (self.generation, steps)
+        if steps <= 0 or key in self._kept:
+            return key if steps > 0 else self.live
+        predicted = predict(steps)
+        if predicted is None:
+            return self.live
+        self._kept[key] = predicted
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return key
+
+    def track(self, key: Key) -> Key:
+        """A graph built on ``key``'s weights is now in flight."""
+        self._graphs[key] += 1
+        return key
+
+    def release(self, key: Key) -> None:
+        """A graph is done (back-propagated or dropped); forget its weights when it was the last."""
+        self._graphs[key] -= 1
+        if self._graphs[key] <= 0:
+            del self._graphs[key]
+            self._kept.pop(key, None)
 
     def before_update(self) -> None:
         """Call before the trainable parameters change in place: keep them if graphs still need them."""
-        if self._graphs.get(self.generation, 0) > 0:
-            self._kept[self.generation] = {
+        live = self.live
+        for key in [k for k in self._kept if k[0] == self.generation and k not in self._graphs]:
+            del self._kept[key]  # a prediction made for this generation that no graph used
+        if self._graphs.get(live, 0) > 0:
+            self._kept[live] = {
                 n: p.detach().clone(memory_format=torch.preserve_format) for n, p in self._params.items()
             }
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self.generation += 1
 
     @contextmanager
-    def using(self, generation: int) -> Iterator[None]:
-        """Point the parameters at ``generation``'s values for one backward, then back at the live ones."""
-        if generation == self.generation:
+    def using(self, key: Key) -> Iterator[None]:
+        """Point the parameters at ``key``'s values for one forward or backward, then back at the live ones."""
+        if key == self.live:
             yield
             return
-        kept = self._kept.get(generation)
+        kept = self._kept.get(key)
         if kept is None:
-            raise RuntimeError(f"weight generation {generation} was not kept (live: {self.generation})")
+            raise RuntimeError(f"weights {key} were not kept (live: {self.live})")
         live: dict[str, torch.Tensor] = {}
         try:
             for name, p in self._params.items():

@@ -50,7 +50,7 @@ class _InFlight:
     x_in: torch.Tensor
     out: torch.Tensor | None  # its graph, on the weight generation it was built with; None: let go, too stale
     version: int  # the optimizer steps its forward had seen
-    generation: int
+    weights: tuple[int, int]  # KeptWeights' key of the weights its forward ran on
 
 
 @dataclass
@@ -175,11 +175,12 @@ class StageRunner:
             if self.is_last:
                 out = self.model(x_in)
             else:
-                with self.kept.saving():
+                weights = self.kept.look_ahead(self._updates_before_backward(), self._predicted_weights)
+                with self.kept.using(weights), self.kept.saving():
                     out = self.model(x_in)
             self.metrics.forward += 1
             if not self.is_last:
-                self._pending[mb_id] = _InFlight(x_in, out, self.version, self.kept.track())
+                self._pending[mb_id] = _InFlight(x_in, out, self.version, self.kept.track(weights))
                 self.metrics.in_flight_peak = max(self.metrics.in_flight_peak, len(self._pending))
                 return ForwardResult(output=out.detach())
             loss = self.model.loss_sum(out, targets.to(self.device).long())
@@ -223,21 +224,53 @@ class StageRunner:
         if grad_output is None or entry.out is None or staleness > self.train_cfg.staleness_bound:
             self.metrics.dropped += 1
             if entry.out is not None:
-                self.kept.release(entry.generation)
+                self.kept.release(entry.weights)
             stepped = self.count_lost()  # a drop still belongs to its step: versions must not lag the data
             return BackwardResult(dropped=True, staleness=staleness, stepped=stepped)
         t0 = time.perf_counter()
         grad = grad_output.to(device=self.device, dtype=torch.float32)
         try:
-            with self.kept.using(entry.generation):
+            with self.kept.using(entry.weights):
                 entry.out.backward(grad)
         finally:
-            self.kept.release(entry.generation)
+            self.kept.release(entry.weights)
         input_grad = None if self.is_first else entry.x_in.grad
         self.metrics.backward += 1
         stepped = self._after_backward(staleness)
         self.metrics.compute_seconds += time.perf_counter() - t0
         return BackwardResult(input_grad=input_grad, stepped=stepped, staleness=staleness)
+
+    def _updates_before_backward(self) -> int:
+        """Optimizer steps this stage will take before the gradient of a micro-batch forwarded now comes back.
+
+        Gradients come back in the order of their forwards, and the stage steps after every K of them, so
+        the micro-batches already in flight decide it exactly (unless one is dropped). At most S: a later
+        gradient is dropped anyway. Replicas step by learned quotas; they predict nothing."""
+        bound = self.train_cfg.staleness_bound
+        if bound == 0 or self._quotas is not None:
+            return 0
+        return min(bound, (self._backwards + len(self._pending)) // self.train_cfg.micro_batches)
+
+    def _predicted_weights(self, steps: int) -> dict[str, torch.Tensor] | None:
+        """The trainable weights after ``steps`` more AdamW updates along the current update direction.
+
+        The direction is Adam's own (bias-corrected first moment over the root of the second) with its
+        decoupled weight decay, at the learning rates of those steps; None before the first update."""
+        lr = sum(self.train_cfg.lr_at(self.version + i) for i in range(steps))
+        predicted, names = {}, {id(p): n for n, p in self._named_trainable()}
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                beta1, beta2 = group["betas"]
+                for p in group["params"]:
+                    state = self.optimizer.state.get(p)
+                    if not state:
+                        return None
+                    t = float(state["step"])
+                    m_hat = state["exp_avg"] / (1 - beta1**t)
+                    denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
+                    w = p.detach() * (1 - lr * group["weight_decay"])
+                    predicted[names[id(p)]] = w.addcdiv_(m_hat, denom, value=-lr)
+        return predicted
 
     def model_output_shape(self, x_in: torch.Tensor) -> tuple[int, ...]:
         return (*x_in.shape[:2], self.model_cfg.d_model)
@@ -246,7 +279,7 @@ class StageRunner:
         """Forget an in-flight micro-batch whose gradient will never come."""
         entry = self._pending.pop(mb_id, None)
         if entry is not None and entry.out is not None:
-            self.kept.release(entry.generation)
+            self.kept.release(entry.weights)
         return entry is not None
 
     def _after_backward(self, staleness: int) -> bool:
@@ -374,7 +407,7 @@ class StageRunner:
         for entry in self._pending.values():
             if entry.out is not None and entry.version < version:
                 entry.out = None
-                self.kept.release(entry.generation)
+                self.kept.release(entry.weights)
 
     def _keep_for_graphs(self) -> None:
         """The trainable weights are about to change in place: keep this generation for graphs in flight."""
