@@ -1,16 +1,21 @@
-"""Does compression cost loss? Train the built-in GPT through the real pipeline with each codec pair.
+"""Do compression and asynchrony cost loss? Train the built-in GPT through the real pipeline, variant by variant.
 
-Each run is ``ravn local`` exactly as a user runs it (3 peer processes, gRPC on loopback, the sync
-schedule) for the same number of tokens and the same data; the table compares the final validation
-loss with the fp32 run and the wire bytes per trained token. With several seeds each row gives the
-mean, the spread (sample standard deviation and min..max) and every seed's loss; with
-``--error-feedback on off`` each lossy-backward pair runs with and without error feedback on the
-gradients (``--error-feedback-backward``).
+Each run is ``ravn local`` exactly as a user runs it (3 peer processes, gRPC on loopback) for the same
+number of tokens and the same data; the table compares the final validation loss with the sync fp32 run
+and the wire bytes per trained token. With several seeds each row gives the mean, the spread (sample
+standard deviation and min..max) and every seed's loss; with ``--error-feedback on off`` each
+lossy-backward pair runs with and without error feedback on the gradients (``--error-feedback-backward``).
+``--schedules sync async1 async2`` runs every pair on the sync schedule and on the async one with
+``--max-staleness`` 1 and 2; an async row is also compared with its pair's sync run seed by seed (same
+data, same initial weights), which is less noisy than comparing means. Async runs depend on timing (how
+far the pipeline runs ahead), so their losses are not bit-reproducible as sync ones are.
 
     python -m benchmarks.convergence                      # the codec table, one seed (about 15 min on 2 cores)
     python -m benchmarks.convergence --steps 40 --pairs fp32/fp32 int8/int8
     python -m benchmarks.convergence --model gpt-medium --pairs fp32/fp32 int4_rot/int8 \\
         --error-feedback on off --seeds 0 1 2 --jobs 2   # error feedback on vs off (docs/codecs.md)
+    python -m benchmarks.convergence --model gpt-medium --pairs fp32/fp32 int8/int8 \\
+        --schedules sync async1 async2 --seeds 0 1 2 --jobs 2   # async against sync (docs/BENCHMARKS.md)
 
 A run whose ``metrics.jsonl`` already holds a summary is read back instead of trained again, so an
 interrupted table can be finished (delete ``--out``/convergence-runs to start over).
@@ -153,8 +158,9 @@ def table(results: list[dict], labels: list[str]) -> list[str]:
     base_unsplit = statistics.fmean(r["unsplit_val_loss"] for r in rows[base_label])
     lines = [
         f"| variant | seeds | tokens | val loss mean | std | min..max | vs {base_label} | per seed "
-        f"| unsplit fp32 mean | vs {base_label} | vs sync, paired by seed | bytes/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|",
+        f"| unsplit fp32 mean | vs {base_label} | vs sync, paired by seed | bytes/token | stale at stage 0 "
+        "| kept weights peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|",
     ]
     by_seed = {(r["variant"], r["seed"]): r for r in results}
     for label, rs in rows.items():
@@ -167,9 +173,27 @@ def table(results: list[dict], labels: list[str]) -> list[str]:
         lines.append(
             f"| {label} | {len(rs)} | {rs[0]['tokens']:,} | {mean:.4f} | {std} | {min(losses):.4f}..{max(losses):.4f} "
             f"| {(mean - base) / base * 100:+.2f}% | {per_seed} | {unsplit:.4f} "
-            f"| {(unsplit - base_unsplit) / base_unsplit * 100:+.2f}% | {paired_gap(rs, by_seed)} | {wire:,.0f} |"
+            f"| {(unsplit - base_unsplit) / base_unsplit * 100:+.2f}% | {paired_gap(rs, by_seed)} | {wire:,.0f} "
+            f"| {stale_share(rs):.0%} | {kept_peak(rs) / 2**20:.1f} MiB |"
         )
     return lines
+
+
+def stale_share(rs: list[dict]) -> float:
+    """Of the gradients the first stage applied, the share that came back after an update (mean over seeds)."""
+    shares = []
+    for r in rs:
+        counts = r["stages"][0].get("staleness_counts", []) if r.get("stages") else []
+        shares.append(sum(counts[1:]) / max(sum(counts), 1))
+    return statistics.fmean(shares) if shares else 0.0
+
+
+def kept_peak(rs: list[dict]) -> int:
+    """The most memory any stage held in weights kept for stale backwards (``stash_bytes_peak`` before)."""
+    return max(
+        (s.get("kept_weights_bytes_peak", s.get("stash_bytes_peak", 0)) for r in rs for s in r.get("stages", [])),
+        default=0,
+    )
 
 
 def paired_gap(rs: list[dict], by_seed: dict[tuple[str, int], dict]) -> str:

@@ -38,11 +38,14 @@ CAPS: dict[str, tuple[str, ...]] = {
 RAVN_SYNC = ("--schedule", "sync")
 RAVN_ASYNC = ("--schedule", "async", "--max-staleness", "1")
 RAVN_FP32 = ("--wire-forward", "fp32", "--wire-backward", "fp32")
-RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8")  # Ravn's defaults (docs/codecs.md)
+RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8")  # the defaults until 2026-12-01
+RAVN_INT8 = ("--wire-forward", "int8", "--wire-backward", "int8")  # the defaults since (docs/codecs.md)
 RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync fp32": RAVN_SYNC + RAVN_FP32,
     "async fp32": RAVN_ASYNC + RAVN_FP32,
     "async int4_rot/int8": RAVN_ASYNC + RAVN_CODECS,
+    "sync int8/int8": RAVN_SYNC + RAVN_INT8,
+    "async int8/int8": RAVN_ASYNC + RAVN_INT8,
 }
 
 

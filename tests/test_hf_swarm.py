@@ -138,8 +138,8 @@ def test_an_async_lora_run_keeps_only_adapters_for_stale_backwards(tmp_path: Pat
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     stages = [m for m in read_metrics(run) if m["kind"] == "summary"][-1]["stages"]
     assert stages[0]["kept_weights_bytes_peak"] > 0, stages  # the first stage's micro-batches did go stale
-    for s in stages:  # at most S = 1 old version of the adapters, never the frozen base
-        assert s["kept_weights_bytes_peak"] <= adapter_bytes, (s, adapter_bytes)
+    for s in stages:  # S = 1: the predicted adapters of two generations at most, never the frozen base
+        assert s["kept_weights_bytes_peak"] <= 2 * adapter_bytes, (s, adapter_bytes)
 
 
 @pytest.mark.slow  # a real run; the default suite keeps newcomers under 10 minutes

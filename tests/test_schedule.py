@@ -169,3 +169,33 @@ def test_a_graph_that_will_be_too_stale_keeps_no_weights_and_its_gradient_is_dro
     assert r.kept.held_bytes == 0
     result = r.backward(0, g)
     assert result.dropped and r.metrics.dropped == 1 and r.in_flight == 0
+
+
+def test_a_forward_that_will_be_stale_runs_on_weights_predicted_that_many_updates_ahead() -> None:
+    """Micro-batch 12's gradient comes back after micro-batch 11's update: its forward runs on the AdamW
+    step predicted from Adam's moments, which is much nearer the weights that update makes than now's."""
+    torch.manual_seed(0)
+    r = runner(s=1)
+    x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 16)
+    for mb in range(10):  # ten updates on one micro-batch: Adam's direction has settled
+        r.forward(mb, x)
+        r.backward(mb, g)
+    now = {k: p.detach().clone() for k, p in r.model.named_parameters()}
+    opt, t = r.optimizer, 10
+    lr, (b1, b2), eps, wd = r.train_cfg.lr_at(t), opt.defaults["betas"], opt.defaults["eps"], r.train_cfg.weight_decay
+    want = {}
+    for name, p in r.model.named_parameters():
+        st = opt.state[p]
+        m_hat, v_hat = st["exp_avg"] / (1 - b1**t), st["exp_avg_sq"] / (1 - b2**t)
+        want[name] = p.detach() * (1 - lr * wd) - lr * m_hat / (v_hat.sqrt() + eps)
+    out1 = r.forward(11, x).output  # nothing in flight ahead of it: back before the next update
+    out2 = r.forward(12, x).output  # micro-batch 11's update lands first
+    torch.testing.assert_close(out1, torch.func.functional_call(r.model, now, (x,)))
+    torch.testing.assert_close(out2, torch.func.functional_call(r.model, want, (x,)))
+    assert all(torch.equal(p.detach(), now[k]) for k, p in r.model.named_parameters())  # live weights untouched
+    r.backward(11, g)  # that update
+    after = {k: p.detach() for k, p in r.model.named_parameters()}
+    miss_predicted = sum(float((want[k] - after[k]).norm() ** 2) for k in after)
+    miss_current = sum(float((now[k] - after[k]).norm() ** 2) for k in after)
+    assert miss_predicted < 0.1 * miss_current
+    assert r.backward(12, g).staleness == 1

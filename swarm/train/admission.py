@@ -9,6 +9,10 @@ forward. Admitting only while that gap is at most ``S`` bounds staleness by S ev
 is exactly the synchronous GPipe schedule (a step's K micro-batches, then the update, then the next).
 Stages still check on their own and drop any gradient that would break the bound (a slow or
 recovering peer), so the bound holds even when this prediction is wrong.
+
+The learning-rate warm-up runs synchronously (``sync_admissions``): while the weights move fastest
+relative to their size, a late gradient is furthest from the one it stands for (PipeMare's observation,
+there answered with a smaller step for the early, stale stages); a few synchronous steps cost little.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class Admission:
     micro_batches: int  # K: gradients per optimizer step
     max_staleness: int  # S
     max_in_flight: int  # memory bound on micro-batches out in the pipeline
+    sync_admissions: int = 0  # the first this many micro-batches are admitted as if S were 0
     admitted: int = 0
     processed: int = 0  # gradients back at the first stage (applied or dropped)
 
@@ -39,7 +44,8 @@ class Admission:
         return self.admitted // self.micro_batches - self.processed // self.micro_batches
 
     def can_admit(self) -> bool:
-        return self.in_flight < self.max_in_flight and self.staleness_if_admitted() <= self.max_staleness
+        bound = 0 if self.admitted < self.sync_admissions else self.max_staleness
+        return self.in_flight < self.max_in_flight and self.staleness_if_admitted() <= bound
 
     def admit(self) -> int:
         """Record an admission and return its sequence number."""
