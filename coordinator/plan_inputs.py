@@ -28,6 +28,8 @@ CODEC_BYTES = {
     "int4": 0.5 + 2 / 64,
     "int4_rot": 0.5 + 2 / 64,
 }
+# gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py)
+GRADIENT_CODEC_BYTES = {c: b + (2 / 64 if c in ("int8", "int4", "int4_rot") else 0.0) for c, b in CODEC_BYTES.items()}
 ACTIVATION_TENSORS_PER_LAYER = 16  # saved tensors of one pre-norm block per token and channel, roughly
 MIN_SPEED = 1e-3
 MIN_BANDWIDTH = 1e3
@@ -86,7 +88,7 @@ def wire_bytes(wire_forward: str, wire_backward: str) -> tuple[float, float]:
     """Bytes per element the planner sizes each direction with (``auto``: its ladder's smallest codec)."""
     return (
         CODEC_BYTES[planned_codec(wire_forward, AUTO_FORWARD_LADDER)],
-        CODEC_BYTES[planned_codec(wire_backward, AUTO_BACKWARD_LADDER)],
+        GRADIENT_CODEC_BYTES[planned_codec(wire_backward, AUTO_BACKWARD_LADDER)],
     )
 
 

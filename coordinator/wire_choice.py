@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.cost_model import CostModel, ModelSpec, PeerSpec
-from coordinator.plan_inputs import CODEC_BYTES
+from coordinator.plan_inputs import CODEC_BYTES, GRADIENT_CODEC_BYTES
 from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER, WIRE_AUTO
 
 __all__ = ["FITS", "LINK_BOUND", "LinkChoice", "bottleneck_without", "choose_links", "pick_codec"]
@@ -53,15 +53,17 @@ class LinkChoice:
     backward_reason: str
 
 
-def pick_codec(ladder: Sequence[str], elements: float, bandwidth: float, budget: float) -> tuple[str, str]:
+def pick_codec(
+    ladder: Sequence[str], elements: float, bandwidth: float, budget: float, sizes: Mapping[str, float] = CODEC_BYTES
+) -> tuple[str, str]:
     """(codec, reason): the first of ``ladder`` whose ``elements`` cross ``bandwidth`` (bytes/s) within
-    ``budget`` seconds, else the ladder's last (smallest) codec."""
+    ``budget`` seconds, else the ladder's last (smallest) codec; ``sizes``: bytes per element by codec."""
     if not ladder:
         raise ValueError("an empty codec ladder")
     if not bandwidth > 0:
         raise ValueError(f"link bandwidth must be > 0 bytes/s, got {bandwidth!r}")
     for codec in ladder:
-        if elements * CODEC_BYTES[codec] / bandwidth <= budget:
+        if elements * sizes[codec] / bandwidth <= budget:
             return codec, FITS
     return ladder[-1], LINK_BOUND
 
@@ -115,7 +117,7 @@ def choose_links(
             for r in downs:
                 bwd_bw = min(peers[r].upload, sender.download)
                 if backward == WIRE_AUTO:
-                    bwd, bwd_why = pick_codec(AUTO_BACKWARD_LADDER, elements, bwd_bw, budget)
+                    bwd, bwd_why = pick_codec(AUTO_BACKWARD_LADDER, elements, bwd_bw, budget, GRADIENT_CODEC_BYTES)
                 else:
                     bwd, bwd_why = backward, "set by --wire-backward"
                 links.append(LinkChoice(i, s, r, fwd, bwd, _mbit(fwd_bw), _mbit(bwd_bw), fwd_why, bwd_why))

@@ -30,6 +30,19 @@ def test_zero_staleness_is_gpipe() -> None:
             a.complete()
 
 
+def test_the_warm_up_is_admitted_synchronously_then_up_to_s_steps_ahead() -> None:
+    a = Admission(micro_batches=2, max_staleness=1, max_in_flight=100, sync_admissions=4)
+    ahead = []
+    for _ in range(3):
+        while a.can_admit():
+            a.admit()
+        ahead.append(a.in_flight)
+        while a.in_flight:
+            a.complete()
+    # step 0 alone (sync); step 1 alone too, but step 2 (past the warm-up) may go out before step 1 is back
+    assert ahead == [2, 4, 4]
+
+
 def recipe(*flags: str) -> TrainConfig:
     """The recipe a user gets from these command-line flags and every other flag at its default."""
     app, got = typer.Typer(), []

@@ -10,7 +10,8 @@ Codecs:
 * ``fp32`` / ``fp16`` / ``bf16``: the values cast to that float type (``fp32`` is exact);
 * ``raw``: integer tensors (token ids) byte for byte;
 * ``int8``: blockwise absmax, one fp16 scale per block of ``block_size`` elements, 1 byte per value
-  (fp32 scales for a tensor too large for fp16 ones, so every finite tensor encodes);
+  (fp32 scales for a tensor too large or too small for fp16 ones, so every finite tensor encodes, and
+  small ones such as gradients with the same relative precision as any other);
 * ``int4``: the same with 15 levels, two values per byte;
 * ``int4_rot``: ``int4`` after a seeded randomised Hadamard rotation of every block, which tames
   outliers; only the seed travels.
@@ -179,6 +180,9 @@ def encode(
         if not _all_finite(flat):
             raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
         # too large for fp16 scales (int4 near 4.6e5): the same layout with fp32 scales, still exact in range
+        payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32, payload=out)
+    elif scales.numel() and float(scales.max()) < quantize.FP16_SCALE_MIN:
+        # too small for fp16 scales (gradients, ~1e-7): fp32 ones keep their precision, 2 bytes per block more
         payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32, payload=out)
     if view is None:
         data = _to_bytes(payload)

@@ -9,6 +9,9 @@ Layout (the wire format of ``int8``, ``int4`` and ``int4_rot``):
   a tensor whose scales would overflow fp16 (``absmax / L > 65504``: int4 near 4.6e5, int4_rot lower,
   since the rotation can pile a block into one entry) carries fp32 scales instead, 4 bytes per block
   (the receiver tells them apart by their length), so any finite tensor up to fp32's range encodes;
+  so does a tensor whose largest scale is below ``FP16_SCALE_MIN`` (2**-10): fp16 scales there are near
+  or below its subnormal range (steps of 2**-24), which rounded a gradient's scales up by several times
+  and cost it 5-17% of its norm; with fp32 scales every tensor keeps the same relative precision;
 * int8 values are two's complement bytes; int4 values are stored as ``q + 8`` (1..15), two per byte,
   element ``2i`` in the low nibble and ``2i + 1`` in the high nibble; an odd tail leaves the last high
   nibble 0;
@@ -40,6 +43,8 @@ LEVELS = {8: 127, 4: 7}
 CPU_CHUNK_ELEMS = 1 << 17  # 512 KiB of float32: input, two scratch buffers and output fit in L2
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer held in the low bits
 _SCALE_MARGIN = 1.0 + 2.0**-10  # lifts absmax / L past the next fp16 step: fp16 rounding never goes below
+FP16_SCALE_MIN = 2.0**-10  # a tensor whose largest fp16 scale is below this is sent with fp32 scales
+_FP32_SCALE_FLOOR = 2.0**-100  # fp32 scales' floor: keeps 1 / s finite, far below any block that matters
 # The same for subnormal fp16 scales (spacing 2**-24): just past the tie, so even an all-zero block
 # gets the nonzero scale 2**-24 and 1 / s never divides by zero.
 _SCALE_FLOOR = 2.0**-25 * _SCALE_MARGIN
@@ -119,7 +124,7 @@ def quantize(
     if payload is None:
         payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
     offset = torch.full((), _ROUND_MAGIC + (8 if bits == 4 else 0), device=device)
-    floor = torch.full((), _SCALE_FLOOR, device=device)
+    floor = torch.full((), _SCALE_FLOOR if scale_dtype == torch.float16 else _FP32_SCALE_FLOOR, device=device)
     rotated = rotation is not None
     if full:
         rows = _rows_per_chunk(full, block_size, device)
