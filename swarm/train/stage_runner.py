@@ -403,7 +403,7 @@ class StageRunner:
     def _let_go_of_graphs_older_than(self, version: int) -> None:
         """Their gradients will break the staleness bound and be dropped: keep no weights for them.
 
-        So the kept weights are at most S generations, whatever a slow peer does."""
+        So weights are kept only for graphs within S updates, whatever a slow peer does."""
         for entry in self._pending.values():
             if entry.out is not None and entry.version < version:
                 entry.out = None
