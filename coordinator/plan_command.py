@@ -291,10 +291,10 @@ def plan(
     context: Annotated[int, typer.Option(min=0, help="Tokens per sequence (0: min(512, the model's positions)).")] = 0,
     in_flight: Annotated[int, typer.Option(min=0, help="Micro-batches in flight (0: the runtime default).")] = 0,
     wire_forward: Annotated[
-        str, typer.Option(help="Wire codec of activations, or auto (per link; ravn local's default).")
+        str, typer.Option(help="Wire codec of activations (default: ravn local's), or auto (chosen per link).")
     ] = DEFAULT_WIRE_FORWARD,
     wire_backward: Annotated[
-        str, typer.Option(help="Wire codec of gradients, or auto (per link; ravn local's default).")
+        str, typer.Option(help="Wire codec of gradients (default: ravn local's), or auto (chosen per link).")
     ] = DEFAULT_WIRE_BACKWARD,
     activation_checkpointing: Annotated[bool, typer.Option(help="Keep only layer inputs; recompute.")] = False,
     stages: Annotated[int, typer.Option(min=0, help="Pipeline stages (0: one per peer).")] = 0,
