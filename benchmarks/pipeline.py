@@ -149,6 +149,9 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(RAVN_MODES), choices=list(RAVN_MODES))
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 16; 4 with --quick)")
     ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument(
+        "--timed-from", type=int, default=0, help="time only the steps from this one on (e.g. 20: after the warm-up)"
+    )
     ap.add_argument("--quick", action="store_true", help="short runs at lan and 10mbit: a smoke test, not a result")
     ap.add_argument("--from-json", type=Path, default=None, help="only redo table and plot of a saved run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -166,7 +169,7 @@ def main() -> None:
         sys.exit(f"the swarm lab cannot run here: {reason}")
     caps = args.caps or (["lan", "10mbit"] if args.quick else ["lan", "50mbit", "10mbit"])
     steps = args.steps or (4 if args.quick else 16)
-    workload = Workload(steps=steps, eval_every=args.eval_every or max(1, steps // 4))
+    workload = Workload(steps=steps, eval_every=args.eval_every or max(1, steps // 4), timed_from=args.timed_from)
     load_start = wait_for_quiet(args.max_load, args.max_wait)
     with tempfile.TemporaryDirectory(prefix="ravn-pipeline-") as tmp:
         records = run_all(caps, args.modes, workload, Path(tmp))

@@ -60,6 +60,7 @@ class Workload:
     eval_every: int = 4
     seed: int = 0
     lr: float = 3e-3
+    timed_from: int = 0  # steps before this are trained but not timed (the async schedule's sync warm-up)
 
     @property
     def context(self) -> int:
@@ -237,7 +238,8 @@ def run_ravn(lab: Lab, cap: str, mode: str, workload: Workload, runs_dir: Path) 
     runs_dir.mkdir(parents=True, exist_ok=True)
     with NetSampler(lab.peers) as sampler:
         result = run_swarm(lab, name, runs_dir, workload.ravn_args(RAVN_MODES[mode]))
-    steps, summary = result.steps, result.summary
+    summary = result.summary
+    steps = [s for s in result.steps if s["step"] >= workload.timed_from] or result.steps
     start = steps[0]["time"] - steps[0]["seconds"]  # the data source's clock starts with training
     end = steps[-1]["time"]
     tokens = sum(s["tokens"] for s in steps)
