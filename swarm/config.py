@@ -18,8 +18,8 @@ SCHEDULES = ("sync", "async")
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,
 # least per-message error first (coordinator/wire_choice.py). int4 codecs are off it: int4_rot activations
 # cost +2.2% (3 seeds x 300 steps, the gap growing), plain int4 activations and int4 gradients 6-8%
-# (docs/codecs.md, "Which pair is the default"); bf16/bf16 (+2.15%) and int8/int8 (+1.66%) are within
-# each other's spread there.
+# (docs/codecs.md, "Which pair is the default"); bf16/bf16 (+2.15%) and int8/int8 (+1.66%; +1.11% since
+# gradients carry fp32 scales) are within each other's spread there.
 WIRE_AUTO = "auto"
 AUTO_FORWARD_LADDER = ("bf16", "int8")
 AUTO_BACKWARD_LADDER = ("bf16", "int8")
