@@ -63,6 +63,7 @@ class RunOptions:
     average_codec: str = "int8"
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    warmup_steps: int = 20
 
     @property
     def is_checkpoint(self) -> bool:
@@ -125,6 +126,7 @@ class RunOptions:
             micro_batches=self.micro_batches,
             micro_batch_size=self.micro_batch_size,
             lr=self.lr,
+            warmup_steps=self.warmup_steps,
             data=self.data,
             data_seed=self.seed,
             eval_every=self.eval_every,
@@ -205,6 +207,10 @@ def _train_params(
     micro_batches: Annotated[int, typer.Option(min=1, help="Micro-batches per optimizer step.")] = 4,
     micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch.")] = 4,
     lr: Annotated[float, typer.Option(min=0.0, help="Peak AdamW learning rate.")] = 3e-3,
+    warmup_steps: Annotated[
+        int,
+        typer.Option(min=0, help="Steps of linear lr warm-up; the async schedule runs them synchronously."),
+    ] = 20,
     data: Annotated[
         str, typer.Option(help="'stdlib' (the Python standard library's source) or a text file/folder.")
     ] = "stdlib",
@@ -376,6 +382,7 @@ def _train_params(
         average_codec,
         outer_lr,
         outer_momentum,
+        warmup_steps,
     )
 
 

@@ -27,6 +27,8 @@ def test_staleness_never_exceeds_the_bound(tmp_path: Path) -> None:
         "24",
         "--schedule",
         "async",
+        "--warmup-steps",
+        "2",  # the warm-up runs synchronously: keep it short of these short runs
         "--max-staleness",
         "2",
         "--micro-batches",
@@ -63,6 +65,8 @@ def test_a_slow_peer_throttles_admissions(tmp_path: Path) -> None:
         "12",
         "--schedule",
         "async",
+        "--warmup-steps",
+        "2",  # the warm-up runs synchronously: keep it short of these short runs
         "--max-staleness",
         "1",
         "--micro-batches",

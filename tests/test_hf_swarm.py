@@ -130,6 +130,8 @@ def test_an_async_lora_run_keeps_only_adapters_for_stale_backwards(tmp_path: Pat
         "2",
         "--schedule",
         "async",
+        "--warmup-steps",
+        "2",  # the warm-up runs synchronously: keep it short of these short runs
         "--max-staleness",
         "1",
     )
