@@ -40,11 +40,14 @@ RAVN_ASYNC = ("--schedule", "async", "--max-staleness", "1")
 RAVN_FP32 = ("--wire-forward", "fp32", "--wire-backward", "fp32")
 RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8")  # the defaults until 2026-12-01
 RAVN_INT8 = ("--wire-forward", "int8", "--wire-backward", "int8")  # the defaults since (docs/codecs.md)
+RAVN_BF16 = ("--wire-forward", "bf16", "--wire-backward", "bf16")
 RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync fp32": RAVN_SYNC + RAVN_FP32,
     "async fp32": RAVN_ASYNC + RAVN_FP32,
+    "sync int4_rot/int8": RAVN_SYNC + RAVN_CODECS,
     "async int4_rot/int8": RAVN_ASYNC + RAVN_CODECS,
     "sync int8/int8": RAVN_SYNC + RAVN_INT8,
+    "sync bf16/bf16": RAVN_SYNC + RAVN_BF16,
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
 }
 
@@ -109,6 +112,8 @@ class RunRecord:
     payload_bytes_per_token: float | None = None  # Ravn's own count of bytes it handed to gRPC
     stages: list[dict] = field(default_factory=list)  # Ravn's per-stage summary (bubble, staleness)
     blocks: dict[str, list[int]] = field(default_factory=dict)  # peer -> [layer_start, layer_end)
+    step_ends: list[float] = field(default_factory=list)  # seconds from training start to each step's end
+    step_losses: list[float] = field(default_factory=list)  # training loss of each step
     startup_s: float = 0.0
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)  # 1/5/15-minute load averages at the end
 
@@ -256,6 +261,8 @@ def run_ravn(lab: Lab, cap: str, mode: str, workload: Workload, runs_dir: Path) 
         payload_bytes_per_token=summary["wire_bytes_per_token"],
         stages=summary["stages"],
         blocks={m["peer"]: m["layers"] for m in result.metrics if m["kind"] == "assign"},
+        step_ends=[s["time"] - start for s in result.steps],
+        step_losses=[s["loss"] for s in result.steps],
         startup_s=result.wall_s - (end - start),
         load=os.getloadavg(),
     )

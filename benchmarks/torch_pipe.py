@@ -9,6 +9,10 @@ Ravn sync fp32 run are the schedule implementation and the transport.
     python -m benchmarks.torch_pipe store --host 10.77.0.2 --port 29500 --world 3
     python -m benchmarks.torch_pipe worker --rank 0 --world 3 --store 10.77.0.2:29500 --out DIR ...
 
+With ``--wire bf16`` every stage casts what it sends to bfloat16 at its boundary (activations
+forward; autograd then sends the gradients back as bfloat16 too) and the receiver casts them back
+to float32: the stronger baseline, half of fp32's bytes, the same rounding as Ravn's ``bf16`` codec.
+
 Stage metadata is given statically (``input_args``/``output_args``), so pipelining never falls back
 to its pickled object exchange. Each worker writes ``DIR/rank<r>.json``: absolute ``time.time()``
 stamps (one clock for all namespaces on this machine) of the start, of every step's end, and of
@@ -34,6 +38,21 @@ from swarm.train.data import Corpus
 from swarm.train.model import StageModel, even_split
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class BoundaryCast(torch.nn.Module):
+    """A stage whose hidden states cross the wire as ``dtype``: cast on the way out, back on the way in."""
+
+    def __init__(self, model: StageModel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.model.is_first:
+            x = x.float()
+        out = self.model(x)
+        return out if self.model.is_last else out.to(self.dtype)
 
 
 def serve_store(host: str, port: int, world: int, timeout_s: float) -> None:
@@ -78,19 +97,27 @@ def run_worker(args: argparse.Namespace) -> None:
     start, end = even_split(cfg.n_layers, args.world)[args.rank]
     model = StageModel(cfg, start, end)
     b, t = args.micro_batch_size, cfg.context
+    wire = WIRE_DTYPES[args.wire]
     # hidden states must require grad in the static metadata, or the stage neither expects nor sends gradients
     example_in = (
-        torch.zeros(b, t, dtype=torch.long) if model.is_first else torch.zeros(b, t, cfg.d_model, requires_grad=True)
+        torch.zeros(b, t, dtype=torch.long)
+        if model.is_first
+        else torch.zeros(b, t, cfg.d_model, dtype=wire, requires_grad=True)
     )
-    example_out = torch.zeros(b, t, cfg.vocab_size if model.is_last else cfg.d_model, requires_grad=True)
+    example_out = (
+        torch.zeros(b, t, cfg.vocab_size, requires_grad=True)
+        if model.is_last
+        else torch.zeros(b, t, cfg.d_model, dtype=wire, requires_grad=True)
+    )
+    stage_module = model if args.wire == "fp32" else BoundaryCast(model, wire)
     stage = PipelineStage(
-        model, args.rank, args.world, torch.device("cpu"), input_args=example_in, output_args=example_out
+        stage_module, args.rank, args.world, torch.device("cpu"), input_args=example_in, output_args=example_out
     )
     schedule = SCHEDULES[args.schedule](stage, args.micro_batches, loss_fn=_loss, scale_grads=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=train.weight_decay)
     corpus = Corpus.load(train.data) if (model.is_first or model.is_last) else None
     k = args.micro_batches
-    record: dict = {"rank": args.rank, "schedule": args.schedule, "steps": [], "evals": []}
+    record: dict = {"rank": args.rank, "schedule": args.schedule, "wire": args.wire, "steps": [], "evals": []}
 
     def run_step(step: int, split: str) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
@@ -145,6 +172,7 @@ def main() -> None:
     wk.add_argument("--world", type=int, required=True)
     wk.add_argument("--store", required=True, help="HOST:PORT of the rendezvous store")
     wk.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+    wk.add_argument("--wire", choices=sorted(WIRE_DTYPES), default="fp32", help="dtype of hidden states on the wire")
     wk.add_argument("--model", default="gpt-medium", choices=sorted(MODEL_PRESETS))
     wk.add_argument("--steps", type=int, required=True)
     wk.add_argument("--micro-batches", type=int, default=8)

@@ -1,10 +1,11 @@
 """Ravn against PyTorch's own pipeline parallelism on the same links, model, data and batch.
 
 Baseline: ``torch.distributed.pipelining`` (``ScheduleGPipe`` and ``Schedule1F1B``) over gloo with
-fp32 activations, one process per stage, each in its own lab namespace, rendezvous through a TCP
-store on the coordinator host (``benchmarks/torch_pipe.py``). Against it: Ravn sync fp32 (the same
-math, so the same losses) and Ravn at its best settings (async, compressed wires). Every system
-trains the same tokens; bytes are counted by the kernel inside the namespaces for all of them.
+fp32 activations, and GPipe with bf16 ones (cast at the stage boundary) as a stronger baseline; one
+process per stage, each in its own lab namespace, rendezvous through a TCP store on the coordinator
+host (``benchmarks/torch_pipe.py``). Against it: Ravn sync fp32 (the same math, so the same losses)
+and Ravn at its best settings (async, compressed wires). Every system trains the same tokens; bytes
+are counted by the kernel inside the namespaces for all of them.
 
 Pipeline efficiency = achieved tokens/s / min(compute bound, link bound), where the compute bound
 is measured here (each stage's forward + backward alone on one thread, with 3 stage processes
@@ -48,7 +49,7 @@ from swarm.train.model import even_split
 
 STORE_PORT = 29500
 N_STAGES = 3
-TORCH = {"GPipe fp32": "gpipe", "1F1B fp32": "1f1b"}
+TORCH = {"GPipe fp32": ("gpipe", "fp32"), "1F1B fp32": ("1f1b", "fp32"), "GPipe bf16": ("gpipe", "bf16")}
 RAVN = ("sync fp32", "async int4_rot/int8")
 BASE = ("torch", "GPipe fp32")
 TARGETS = {"10mbit": 5.0, "50mbit": 2.5}  # Ravn-best / torch GPipe tokens/s
@@ -71,7 +72,8 @@ def run_torch(
     """
     placement = placement or list(range(N_STAGES))
     hosts = [lab.peers[i] for i in placement]
-    out = work / f"torch-{cap}-{TORCH[mode]}"
+    schedule, wire = TORCH[mode]
+    out = work / f"torch-{cap}-{schedule}-{wire}"
     out.mkdir(parents=True, exist_ok=True)
     # the environment Ravn's peers get (benchmarks/lab_swarm.py), so both allocate memory alike
     env = lab_env({**os.environ, "PYTHONUNBUFFERED": "1", "THP_MEM_ALLOC_ENABLE": "1"})
@@ -86,7 +88,7 @@ def run_torch(
     if not read_line(store, 60).startswith("READY"):
         raise RuntimeError(f"torch rendezvous store did not start: {(out / 'store.log').read_text()}")
     args = [
-        "--world", str(N_STAGES), "--store", f"{co.address}:{STORE_PORT}", "--schedule", TORCH[mode],
+        "--world", str(N_STAGES), "--store", f"{co.address}:{STORE_PORT}", "--schedule", schedule, "--wire", wire,
         "--model", workload.model, "--steps", str(workload.steps), "--micro-batches", str(workload.micro_batches),
         "--micro-batch-size", str(workload.micro_batch_size), "--eval-every", str(workload.eval_every),
         "--lr", str(workload.lr), "--seed", str(workload.seed), "--out", str(out),
@@ -123,6 +125,8 @@ def run_torch(
         final_val_loss=evals[-1][2],
         evals=evals,
         host_bytes=sampler.window(start, end),
+        step_ends=[max(r["steps"][i]["time"] for r in ranks) - start for i in range(workload.steps)],
+        step_losses=[s["loss"] for s in ranks[-1]["steps"]],
         startup_s=start - t_launch,
         blocks={
             h.name: list(block)
@@ -338,7 +342,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 16; 4 with --quick)")
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="short runs at lan and 10mbit: a smoke test, not a result")
-    ap.add_argument("--systems", nargs="+", default=None, choices=_all_labels(), help="default: all four")
+    ap.add_argument("--systems", nargs="+", default=None, choices=_all_labels(), help="default: all five")
     ap.add_argument("--reuse", type=Path, default=None, help="pipeline.json whose Ravn runs to reuse")
     ap.add_argument("--from-json", type=Path, default=None, help="only redo table and plots of a saved run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))

@@ -2,7 +2,9 @@
 
 One Ravn sync fp32 run and one torch GPipe run of gpt-tiny in the lab. They apply the same math to
 the same data, so their losses must agree: that is what makes the speed comparison fair. Also
-checks that the kernel byte counters saw the traffic, and that the table and targets render.
+checks that the kernel byte counters saw the traffic, and that the table and targets render. The
+same holds for bf16 on the wire (torch casting at the stage boundary, Ravn's bf16 codec), which is
+what lets ``benchmarks/time_to_target.py`` take GPipe bf16's loss curve from Ravn's bf16 runs.
 """
 
 from __future__ import annotations
@@ -58,3 +60,22 @@ def test_ravn_and_torch_pipelines_agree_and_are_counted(lab_ok, tmp_path):
     text = vs_torch_pipelining.table([torch_run, ravn], compute_bound=1e6)
     assert "1.00x" in text and "Ravn sync fp32" in text
     assert any(ok is not None for _, ok, _ in vs_torch_pipelining.targets([torch_run, ravn], 1e6))
+
+
+@pytest.mark.lab
+def test_torch_bf16_boundary_computes_ravn_bf16_wire(lab_ok, tmp_path):
+    from benchmarks import time_to_target, vs_torch_pipelining
+    from benchmarks.lab import Lab
+    from benchmarks.pipeline_common import Workload, cap_links, run_ravn
+
+    workload = Workload(model="gpt-tiny", steps=6, micro_batches=4, micro_batch_size=2, eval_every=6)
+    with Lab(cap_links("50mbit"), coordinator=True) as lab:
+        ravn = run_ravn(lab, "50mbit", "sync bf16/bf16", workload, tmp_path / "ravn")
+    with Lab(cap_links("50mbit"), coordinator=True) as lab:
+        torch_run = vs_torch_pipelining.run_torch(lab, "50mbit", "GPipe bf16", workload, tmp_path, timeout_s=90)
+    assert len(ravn.step_losses) == len(torch_run.step_losses) == workload.steps
+    assert ravn.step_losses == pytest.approx(torch_run.step_losses, rel=1e-4)
+    assert ravn.evals[-1][2] == pytest.approx(torch_run.evals[-1][2], rel=1e-4)
+    # bf16 hidden states: 2 bytes x 64 per token across two links each way, plus headers
+    assert 0.7 * 2 * 2 * 64 * 2 <= torch_run.wire_bytes_per_token < 3 * 2 * 2 * 64 * 2, torch_run.host_bytes
+    assert len(torch_run.step_ends) == workload.steps and time_to_target.seconds_per_step(torch_run, 1) > 0
