@@ -173,7 +173,8 @@ class Row:
     step_s: float  # measured
     link_step_s: float  # the busiest link alone
     steps_text: str
-    steps: float | None  # mean steps to target; None unless every seed reached it
+    steps: float  # mean steps to target over seeds
+    lower_bound: bool  # some seed did not reach it: ``steps`` counts it at the run's length
 
     @property
     def bound(self) -> str:
@@ -192,15 +193,22 @@ def busiest_bytes_per_token(r: RunRecord) -> float:
     return out
 
 
-def _steps_text(per_seed: dict) -> tuple[str, float | None]:
+def _steps_text(per_seed: dict, run_steps: int) -> tuple[str, float, bool]:
+    """Mean steps to target over seeds; a seed that never got there counts as the run's length.
+
+    Returns (text, mean, lower_bound): with any such seed the mean is only a lower bound.
+    """
     steps = [v["steps"] for v in per_seed.values()]
     reached = [s for s in steps if s is not None]
+    counted = [s if s is not None else float(run_steps) for s in steps]
+    mean = statistics.fmean(counted)
     if not reached:
-        return f"not reached (0/{len(steps)})", None
+        return f"not reached in {run_steps} ({len(steps)} seeds)", mean, True
     text = f"{statistics.fmean(reached):.0f} ({min(reached):.0f}..{max(reached):.0f})"
     if len(reached) < len(steps):
-        return text + f", reached by {len(reached)}/{len(steps)} seeds", None
-    return text, statistics.fmean(reached)
+        text = f"≥ {mean:.0f}: {len(steps) - len(reached)} of {len(steps)} seeds not in {run_steps} steps"
+        return text, mean, True
+    return text, mean, False
 
 
 def cap_rows(records: list[RunRecord], targets: dict[str, dict], cap: str, workload: Workload, skip: int) -> list[Row]:
@@ -209,7 +217,7 @@ def cap_rows(records: list[RunRecord], targets: dict[str, dict], cap: str, workl
         r = next((r for r in records if r.cap == cap and r.mode == sys_.mode), None)
         if r is None or sys_.pair not in targets:
             continue
-        text, mean = _steps_text(targets[sys_.pair]["per_seed"])
+        text, mean, lower = _steps_text(targets[sys_.pair]["per_seed"], targets[sys_.pair]["run_steps"])
         rows.append(
             Row(
                 sys_.label,
@@ -218,21 +226,27 @@ def cap_rows(records: list[RunRecord], targets: dict[str, dict], cap: str, workl
                 link_seconds_per_step(r, workload),
                 text,
                 mean,
+                lower,
             )
         )
     return rows
 
 
 def _speedups(row: Row, rows: list[Row], seconds: str) -> list[str]:
-    """Time to target and the speed-up over each baseline, on measured or on link-bound step times."""
-    if row.steps is None:
-        return ["–"] * (1 + len(BASELINES))
+    """Time to target and the speed-up over each baseline, on measured or on link-bound step times.
+
+    Where a run's steps are a lower bound (a seed never reached the target), so is its time, and a
+    speed-up over it becomes an upper bound: marked ``≥`` and ``≤``.
+    """
     mine = row.steps * getattr(row, seconds)
-    cells = [f"{mine / 60:.1f} min"]
+    cells = [f"{'≥ ' if row.lower_bound else ''}{mine / 60:.1f} min"]
     for name in BASELINES:
         base = next((b for b in rows if b.label == name), None)
-        ok = base is not None and base.steps is not None and mine > 0
-        cells.append(f"{base.steps * getattr(base, seconds) / mine:.2f}x" if ok else "–")
+        if base is None or mine <= 0 or (base.lower_bound and row.lower_bound):
+            cells.append("–")
+            continue
+        mark = "≤ " if row.lower_bound else "≥ " if base.lower_bound else ""
+        cells.append(f"{mark}{base.steps * getattr(base, seconds) / mine:.2f}x")
     return cells
 
 

@@ -92,3 +92,18 @@ def test_time_to_target_is_steps_times_step_time_and_says_what_bounds_it():
     # 270 steps x 1.5 s = 6.75 min; GPipe fp32 240 x 4 s = 16 min -> 2.37x; bf16 270 x 2 s -> 1.33x
     # link-bound: 270 x 1 s = 4.5 min -> 3.56x and 2.00x
     assert "| 270 (260..280) | 6.8 min | 2.37x | 1.33x | 4.5 min | 3.56x | 2.00x |" in row
+
+
+def test_a_seed_that_never_reaches_the_target_makes_the_time_a_lower_bound():
+    per_seed = {0: {"target": 2.7, "steps": 240.0}, 1: {"target": 2.6, "steps": 240.0}}
+    missed = {0: {"target": 2.7, "steps": 280.0}, 1: {"target": 2.6, "steps": None}}
+    targets = {
+        "fp32/fp32": {"per_seed": per_seed, "run_steps": 300},
+        "int8/int8": {"per_seed": missed, "run_steps": 300},
+    }
+    records = [_record("GPipe fp32", "torch", 4.0, 5_000_000), _record("sync int8/int8", "ravn", 2.0, 1_250_000)]
+    meta = {"workload": Workload(micro_batches=4).__dict__, "skip": 2, "caps": ["10mbit"], "load_start": [0],
+            "load_end": [0]}  # fmt: skip
+    row = next(x for x in ttt.report(records, targets, meta, None).splitlines() if x.startswith("| Ravn int8/int8"))
+    # the missing seed counts as 300 steps: >= 290 x 2 s = 9.7 min, so at most 960 / 580 = 1.66x
+    assert "≥ 290: 1 of 2 seeds not in 300 steps | ≥ 9.7 min | ≤ 1.66x |" in row
