@@ -38,8 +38,8 @@ CAPS: dict[str, tuple[str, ...]] = {
 RAVN_SYNC = ("--schedule", "sync")
 RAVN_ASYNC = ("--schedule", "async", "--max-staleness", "1")
 RAVN_FP32 = ("--wire-forward", "fp32", "--wire-backward", "fp32")
-RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8")  # the defaults until 2026-12-01
-RAVN_INT8 = ("--wire-forward", "int8", "--wire-backward", "int8")  # the defaults since (docs/codecs.md)
+RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8")  # the defaults (docs/codecs.md)
+RAVN_INT8 = ("--wire-forward", "int8", "--wire-backward", "int8")  # the defaults on 2026-12-01
 RAVN_BF16 = ("--wire-forward", "bf16", "--wire-backward", "bf16")
 RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync fp32": RAVN_SYNC + RAVN_FP32,

@@ -14,9 +14,11 @@ this benchmark judges a wire by how soon it reaches a loss. Two measurements, ea
 * **Seconds per step** come from the swarm lab at each link cap (3 peer namespaces behind shapers,
   kernel byte counters): the median step time after ``--skip`` warm-up steps, no validation inside.
 
-Time to target = steps to target x seconds per step. Where a run is compute-bound on this 2-core
-machine (measured step time above the link's own bound, bytes per step / link rate, by more than
-25%), the table says so and also gives the link-bound time a GPU peer would see.
+Time to target = steps to target x seconds per step. Next to it: the link-bound time, steps x the
+busiest link direction's bytes per step / its rate, which is what a peer whose compute is fast and
+overlapped (a GPU) would see. Where the measured step is more than 25% over that, the run is bound by
+this 2-core machine's compute (or, for GPipe, which does not overlap sending with computing, by the
+two in series), and the table says "compute".
 
     python -m benchmarks.convergence --model gpt-medium --steps 300 --eval-every 10 --seeds 0 1 2 \\
         --pairs fp32/fp32 int8/int8 int4_rot/int8 bf16/bf16 --jobs 2 --out benchmarks/out/ttt
@@ -64,8 +66,8 @@ class System:
 SYSTEMS = (
     System("torch GPipe fp32", "torch", "GPipe fp32", "fp32/fp32"),
     System("torch GPipe bf16", "torch", "GPipe bf16", "bf16/bf16"),
-    System("Ravn int4_rot/int8 (default until 2026-12-01)", "ravn", "sync int4_rot/int8", "int4_rot/int8"),
-    System("Ravn int8/int8 (default)", "ravn", "sync int8/int8", "int8/int8"),
+    System("Ravn int4_rot/int8 (default)", "ravn", "sync int4_rot/int8", "int4_rot/int8"),
+    System("Ravn int8/int8 (default on 2026-12-01)", "ravn", "sync int8/int8", "int8/int8"),
 )
 BASELINES = ("torch GPipe fp32", "torch GPipe bf16")
 
@@ -283,9 +285,48 @@ def report(records: list[RunRecord], targets: dict[str, dict], meta: dict, runs_
         ref = train_losses(runs_dir, sys_.pair, 0, workload.model) if runs_dir else []
         n = min(len(ref), len(r.step_losses))
         if n:
-            diff = max(abs(a - b) for a, b in zip(ref[:n], r.step_losses[:n], strict=True))
-            lines.append(f"- {r.cap}, {sys_.label} vs Ravn sync {sys_.pair}: max |difference| {diff:.2e} ({n} steps)")
+            pairs = list(zip(ref[:n], r.step_losses[:n], strict=True))
+            diff = max(abs(a - b) for a, b in pairs)
+            first = next((i for i, (a, b) in enumerate(pairs) if abs(a - b) > 1e-4), None)
+            where = "" if first is None else f", first above 1e-4 at step {first}"
+            head = f"- {r.cap}, {sys_.label} vs Ravn sync {sys_.pair}"
+            lines.append(f"{head}: max |difference| {diff:.2e}{where} ({n} steps)")
     return "\n".join(lines)
+
+
+def plot(records: list[RunRecord], results: list[dict], targets: dict[str, dict], meta: dict, path: Path) -> None:
+    """Validation loss (mean over seeds) against minutes of training at each cap's measured step time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = meta["caps"]
+    fig, axes = plt.subplots(1, len(caps), figsize=(5.2 * len(caps), 4.2), squeeze=False)
+    target = statistics.fmean(v["target"] for v in targets["fp32/fp32"]["per_seed"].values())
+    for ax, cap in zip(axes[0], caps, strict=True):
+        for sys_ in SYSTEMS:
+            r = next((r for r in records if r.cap == cap and r.mode == sys_.mode), None)
+            runs = [x for x in results if x["pair"] == sys_.pair and x["staleness_bound"] < 0 and x["feedback"] != "on"]
+            if r is None or not runs:
+                continue
+            step_s = seconds_per_step(r, meta["skip"])
+            curves = [dict(x["evals"]) for x in runs]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            mean = [statistics.fmean(c[s] for c in curves) for s in steps]
+            ax.plot([(s + 1) * step_s / 60 for s in steps], mean, "s--" if sys_.system == "torch" else "o-",
+                    ms=2, label=sys_.label)  # fmt: skip
+        ax.axhline(target, color="grey", lw=0.8, ls=":", label="target (mean of seeds)")
+        ax.set_title(f"{cap}: {', '.join(dict.fromkeys(CAPS[cap]))} per peer", fontsize=10)
+        ax.set_xlabel("minutes of training (steps x measured s/step)")
+        ax.set_ylim(target - 0.25, target + 0.6)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss, mean of seeds")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("gpt-medium, 3 stages, 4 x 4 x 128 tokens/step: time to the target loss", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -324,7 +365,8 @@ def main() -> None:
         path.write_text(json.dumps({"meta": meta, "targets": targets, "runs": [r.to_dict() for r in records]}))
     text = report(records, targets, meta, runs_dir)
     (args.out / "time_to_target.md").write_text(text + "\n")
-    print(text)
+    plot(records, results, targets, meta, args.out / "time_to_target.png")
+    print(text + f"\nplot: {args.out / 'time_to_target.png'}")
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ from swarm.config import BASE_QUANTS, MODEL_PRESETS, SCHEDULES, WIRE_AUTO, HFCon
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
-# The one place the run's wire codecs default; ``ravn plan`` reads the same. int8/int8: +1.7% validation loss
-# against fp32 (3 seeds, 300 steps of gpt-medium); int4_rot/int8, the default before, cost +2.2% with the gap
-# growing over the last third, missing the 2% bar (docs/codecs.md, "Which pair is the default").
-DEFAULT_WIRE_FORWARD = "int8"
+# The one place the run's wire codecs default; ``ravn plan`` reads the same. int4_rot/int8: +0.25% validation
+# loss against fp32 at 5.3x fewer bytes (3 seeds, 300 steps of gpt-medium, since gradients carry fp32 block
+# scales); int8/int8, the default from 2026-12-01 while int8 gradients lost 4.5% of their norm to fp16 scales,
+# +1.11% at 3.8x (docs/codecs.md, "Which pair is the default").
+DEFAULT_WIRE_FORWARD = "int4_rot"
 DEFAULT_WIRE_BACKWARD = "int8"
 ON_OFF = ("on", "off")
 

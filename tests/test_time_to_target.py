@@ -86,7 +86,7 @@ def test_time_to_target_is_steps_times_step_time_and_says_what_bounds_it():
     assert rows["torch GPipe fp32"].step_s == pytest.approx(4.0)
     assert rows["torch GPipe fp32"].link_step_s == pytest.approx(4.0)
     assert rows["torch GPipe fp32"].bound == "link"
-    assert rows["Ravn int8/int8 (default)"].bound == "compute"  # 1.5 s measured against 1 s on the link
+    assert rows["Ravn int8/int8 (default on 2026-12-01)"].bound == "compute"  # 1.5 s measured against 1 s on the link
     text = ttt.report(records, targets, meta, runs_dir=None)
     row = next(line for line in text.splitlines() if line.startswith("| Ravn int8/int8"))
     # 270 steps x 1.5 s = 6.75 min; GPipe fp32 240 x 4 s = 16 min -> 2.37x; bf16 270 x 2 s -> 1.33x

@@ -37,14 +37,15 @@ def test_auto_picks_a_codec_per_link_and_the_wire_uses_it(tmp_path: Path) -> Non
         assert x["forward_mbit_s"] > 0 and x["backward_mbit_s"] > 0
     slow = links[0]
     assert slow["upstream"] == "peer-0", "the 0.1 Mbit/s uplink belongs first: it then sends only activations"
-    assert (slow["forward"], slow["forward_reason"], slow["forward_mbit_s"]) == ("int8", LINK_BOUND, 0.1)
+    smallest = AUTO_FORWARD_LADDER[-1]  # int4_rot
+    assert (slow["forward"], slow["forward_reason"], slow["forward_mbit_s"]) == (smallest, LINK_BOUND, 0.1)
     fast = links[1]  # loopback both ways, and the pipeline is bound by the slow link: bf16 fits
     assert (fast["forward"], fast["forward_reason"]) == ("bf16", FITS)
     assert (fast["backward"], fast["backward_reason"]) == ("bf16", FITS)
 
     # what each stage reports it put on the wire is exactly what its links name
     sent = {s["stage"]: s["sent_codecs"] for s in summary["stages"]}
-    assert set(sent[0]) == {"forward:int8"}
+    assert set(sent[0]) == {f"forward:{smallest}"}
     assert set(sent[1]) == {f"forward:{fast['forward']}", f"backward:{slow['backward']}"}
     assert set(sent[2]) == {f"backward:{fast['backward']}"}
     assert all(n > 0 for codecs in sent.values() for n in codecs.values())
