@@ -158,6 +158,21 @@ def link_bound_tokens_per_s(record: RunRecord, links: Sequence[LinkProfile]) -> 
     return best
 
 
+def busiest_link(record: RunRecord, links: Sequence[LinkProfile]) -> tuple[float, str]:
+    """Bytes per token on the link direction with the least time to spare, and which one (``p1 up``).
+
+    Uncapped directions rank below every capped one, the largest of them first.
+    """
+    best, out = None, (0.0, "-")
+    for i, link in enumerate(links):
+        for direction, mbit in (("up", link.up_mbit), ("down", link.down_mbit)):
+            per_token = record.host_bytes.get(f"p{i}", {}).get(direction, 0) / max(record.tokens, 1)
+            key = per_token / mbit if mbit else per_token * 1e-9
+            if best is None or key > best:
+                best, out = key, (per_token, f"p{i} {direction}")
+    return out
+
+
 # ---- traffic counters -------------------------------------------------------------------------
 
 

@@ -39,11 +39,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.convergence import LOSSY, Variant
 from benchmarks.lab import Lab, unavailable_reason
 from benchmarks.pipeline_common import (
     CAPS,
     RunRecord,
     Workload,
+    busiest_link,
     cap_links,
     link_bound_tokens_per_s,
     run_ravn,
@@ -124,10 +126,9 @@ def load_convergence(path: Path) -> tuple[list[dict], Path]:
 
 
 def train_losses(runs_dir: Path, pair: str, seed: int, model: str) -> list[float]:
-    """Per-step training losses of one sync convergence run, from its ``metrics.jsonl``."""
-    fwd, bwd = pair.split("/")
-    ef = "-efoff" if bwd in ("int8", "int4", "int4_rot") else ""
-    metrics = runs_dir / f"conv-{model}-{fwd}-{bwd}{ef}-s{seed}" / "metrics.jsonl"
+    """Per-step training losses of one sync convergence run (error feedback off), from its ``metrics.jsonl``."""
+    feedback = "off" if pair.split("/")[1] in LOSSY else ""
+    metrics = runs_dir / Variant(pair, feedback).run_name(model, seed) / "metrics.jsonl"
     if not metrics.exists():
         return []
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
@@ -183,18 +184,6 @@ class Row:
         return "compute" if self.link_step_s and self.step_s > COMPUTE_BOUND_MARGIN * self.link_step_s else "link"
 
 
-def busiest_bytes_per_token(r: RunRecord) -> float:
-    """Bytes per token on the capped link direction with the least time to spare (headers included)."""
-    best, out = -1.0, 0.0
-    for i, link in enumerate(cap_links(r.cap)):
-        for direction, mbit in (("up", link.up_mbit), ("down", link.down_mbit)):
-            per_token = r.host_bytes.get(f"p{i}", {}).get(direction, 0) / max(r.tokens, 1)
-            key = per_token / mbit if mbit else per_token * 1e-9
-            if key > best:
-                best, out = key, per_token
-    return out
-
-
 def _steps_text(per_seed: dict, run_steps: int) -> tuple[str, float, bool]:
     """Mean steps to target over seeds; a seed that never got there counts as the run's length.
 
@@ -223,7 +212,7 @@ def cap_rows(records: list[RunRecord], targets: dict[str, dict], cap: str, workl
         rows.append(
             Row(
                 sys_.label,
-                busiest_bytes_per_token(r),
+                busiest_link(r, cap_links(r.cap))[0],
                 seconds_per_step(r, skip),
                 link_seconds_per_step(r, workload),
                 text,

@@ -35,6 +35,7 @@ from benchmarks.pipeline_common import (
     NetSampler,
     RunRecord,
     Workload,
+    busiest_link,
     cap_links,
     compute_bound_tokens_per_s,
     link_bound_tokens_per_s,
@@ -229,14 +230,8 @@ def table(records: list[RunRecord], compute_bound: float) -> str:
 
 def _busiest_bytes_per_token(r: RunRecord, links) -> str:
     """Bytes per token on the link direction that bounds the run (the largest one when uncapped)."""
-    best, text = None, "-"
-    for i, link in enumerate(links):
-        for direction, mbit in (("up", link.up_mbit), ("down", link.down_mbit)):
-            per_token = r.host_bytes.get(f"p{i}", {}).get(direction, 0) / max(r.tokens, 1)
-            key = per_token / mbit if mbit else per_token * 1e-9
-            if best is None or key > best:
-                best, text = key, f"{per_token:,.0f} (p{i} {direction})"
-    return text
+    per_token, where = busiest_link(r, links)
+    return "-" if where == "-" else f"{per_token:,.0f} ({where})"
 
 
 def targets(records: list[RunRecord], compute_bound: float) -> list[tuple[str, bool | None, str]]:
