@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import swarm  # noqa: F401  (before any test module loads gRPC: it sets gRPC's fork mode)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

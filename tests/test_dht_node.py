@@ -1,5 +1,6 @@
 """An owned DHT node never hangs its owner: a start that does not report is cut off at a deadline, a
-lock left held by a killed DHT process is replaced, and a SIGTERM never lands mid-write."""
+process that dies before it is ready is reported at once, a lock left held by a killed DHT process is
+replaced, a SIGTERM never lands mid-write, and a node forked while gRPC is busy in another thread starts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from hivemind.utils.mpfuture import MPFuture
@@ -16,6 +20,7 @@ from swarm.dht import node as dht_node
 from swarm.dht.node import DHTStartError, OwnedDHT
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_lock_left_held_by_a_killed_dht_process_fails_one_start_clearly_and_not_the_next() -> None:
@@ -60,3 +65,67 @@ def test_sigterm_in_a_dht_process_never_leaves_the_shared_lock_held() -> None:
     assert child.exitcode == 0
     assert lock.acquire(timeout=1), "the process died holding the lock"
     lock.release()
+
+
+class _CrashingDHT(OwnedDHT):
+    def run(self) -> None:  # the DHT process segfaults before it is ready, as gRPC's restarted threads made it
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_dht_process_that_dies_before_it_is_ready_is_reported_at_once_not_after_the_deadline() -> None:
+    started = time.monotonic()
+    with pytest.raises(DHTStartError, match="died with SIGSEGV before it was ready"):
+        _CrashingDHT(start=True, host_maddrs=LOCALHOST, ready_timeout=60)
+    assert time.monotonic() - started < 20  # CI waited out all 60 s for a child long dead
+    node = OwnedDHT(start=True, host_maddrs=LOCALHOST, ready_timeout=60)  # and the next start works
+    node.shutdown()
+
+
+# A Ravn process (peer/, coordinator/ and tests' conftest import swarm first) keeps gRPC busy on another
+# thread while its main thread forks DHT nodes: a peer restarting its node as a NAT client. gRPC is loaded
+# before hivemind and torch, as in CI's pytest process: loaded after them, it did not crash here.
+FORK_WHILE_GRPC_IS_BUSY = """
+import asyncio, sys, threading
+import swarm
+import grpc
+from swarm.dht.node import OwnedDHT
+
+async def serve_and_call(stop):
+    server = grpc.aio.server()
+    async def echo(request, context):
+        return request
+    handler = grpc.method_handlers_generic_handler("t.T", {"E": grpc.unary_unary_rpc_method_handler(echo)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    while not stop.is_set():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.T/E")
+            for _ in range(20):
+                await call(b"x" * 1000)
+    await server.stop(None)
+
+stop = threading.Event()
+thread = threading.Thread(target=lambda: asyncio.run(serve_and_call(stop)), daemon=True)
+thread.start()
+for i in range(int(sys.argv[1])):
+    OwnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], ready_timeout=30).shutdown()
+stop.set()
+thread.join(30)
+print("all started")
+"""
+
+
+def test_dht_nodes_forked_while_another_thread_is_inside_grpc_all_start() -> None:
+    # before the fix about half of these children segfaulted in the gRPC thread pool that gRPC's fork
+    # handlers restart in the child: CI's "did not become ready within 60 s" in test_record_signing
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_WHILE_GRPC_IS_BUSY, "8"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0 and "all started" in proc.stdout, proc.stderr[-3000:]

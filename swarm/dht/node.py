@@ -29,16 +29,22 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from pathlib import Path
+from typing import NoReturn
 
 import hivemind
 from hivemind.utils.mpfuture import MPFuture
 
+import swarm
 from swarm.lifecycle import arm_parent_death_signal
 
 READY_TIMEOUT_S = 60.0  # p2pd's own start deadline is 15 s; bootstrapping on a loaded machine takes more
 LOCK_PROBE_S = 2.0  # a healthy child holds the update lock for one pipe write
 SIGTERM_GRACE_S = 5.0
+DEATH_POLL_S = 0.5  # how often a start checks that its process still lives
+NO_REPORT = "its process did not report (killed)"
+EXIT_GRACE_S = 2.0  # for the last message of a process that exited to arrive
 
 
 class DHTStartError(RuntimeError):
@@ -82,6 +88,15 @@ def _exit_between_callbacks(signum: int, frame: object) -> None:
         _kill_children_and_exit()
 
 
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
 def _kill_tree(pid: int) -> None:
     for child in _children(pid):
         _kill_tree(child)
@@ -101,29 +116,47 @@ class OwnedDHT(hivemind.DHT):
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """Start the process; with ``await_ready``, wait for it at most ``timeout`` (or the node's
-        ``ready_timeout``) seconds, else kill it and raise ``DHTStartError``."""
+        ``ready_timeout``) seconds, else kill it and raise ``DHTStartError``. A process that dies first
+        is reported when it dies, with how it died."""
         self.start()
         if not await_ready:
             return
         limit = self._ready_timeout if timeout is None else timeout
-        try:
-            self.wait_until_ready(limit)
-        except TimeoutError:
-            pid = self.pid
-            if pid is not None:
-                _kill_tree(pid)
-            self.join(5.0)
-            stuck = not MPFuture._update_lock.acquire(timeout=LOCK_PROBE_S)
-            if stuck:  # held by a dead child: no process of ours can report to us until it is replaced
-                MPFuture.reset_backend()
-            else:
-                MPFuture._update_lock.release()
-            why = (
-                "hivemind's update lock was left held by a killed DHT process (replaced: a new start works)"
-                if stuck
-                else "its process did not report (killed)"
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                self.wait_until_ready(max(0.0, min(DEATH_POLL_S, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                pass
+            if self.exitcode is not None:
+                try:  # what it sent before it exited (its start's own error) is still in the pipe
+                    self.wait_until_ready(EXIT_GRACE_S)
+                    return
+                except TimeoutError:
+                    self._give_up(f"the DHT process died with {_how(self.exitcode)} before it was ready", "")
+            if time.monotonic() >= deadline:
+                self._give_up(f"the DHT node did not become ready within {limit:.0f} s", NO_REPORT)
+
+    def _give_up(self, what: str, why: str) -> NoReturn:
+        pid = self.pid
+        if pid is not None:
+            _kill_tree(pid)
+        self.join(5.0)
+        stuck = not MPFuture._update_lock.acquire(timeout=LOCK_PROBE_S)
+        if stuck:  # held by a dead child: no process of ours can report to us until it is replaced
+            MPFuture.reset_backend()
+        else:
+            MPFuture._update_lock.release()
+        reasons = [why] if why else []
+        if stuck:
+            reasons = ["hivemind's update lock was left held by a killed DHT process (replaced: a new start works)"]
+        if not swarm.GRPC_FORK_SUPPORT_OFF:
+            reasons.append(
+                "gRPC's fork support is on, and a DHT process forked while gRPC is busy can crash:"
+                " import swarm before grpc, or set GRPC_ENABLE_FORK_SUPPORT=false"
             )
-            raise DHTStartError(f"the DHT node did not become ready within {limit:.0f} s: {why}") from None
+        raise DHTStartError(f"{what}: {'; '.join(reasons)}" if reasons else what)
 
     def start(self) -> None:  # forks the DHT process
         if threading.current_thread() is not threading.main_thread():
