@@ -3,7 +3,7 @@
     python -m scripts.scaling_grid [docs/configs/llama-3-70b.json] [24GiB]   # from the repository root
 
 For each base storage (bf16, int8, NF4), with and without activation checkpointing: the fewest
-``MEMORY`` peers that fit, their layers, and the predicted tokens/s at 20/100/1000 Mbit/s for four
+``MEMORY`` peers that fit, their layers, and the predicted tokens/s at 20/100/1000 Mbit/s for five
 codec pairs. Nothing is trained or downloaded.
 """
 
@@ -18,7 +18,7 @@ from coordinator.ravn_cli import app
 
 QUANTS = ("none", "int8", "nf4")
 LINKS = (20, 100, 1000)
-CODECS = (("fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8"), ("int4_rot", "int8"))
+CODECS = (("fp32", "fp32"), ("bf16", "bf16"), ("int8", "int8"), ("int4_rot", "int8"), ("int4_rot", "int4_rot"))
 MAX_PEERS = 80
 
 
