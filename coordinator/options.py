@@ -20,12 +20,12 @@ from swarm.config import BASE_QUANTS, MODEL_PRESETS, SCHEDULES, WIRE_AUTO, HFCon
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
-# The one place the run's wire codecs default; ``ravn plan`` reads the same. int4_rot/int8: +0.25% validation
-# loss against fp32 at 5.3x fewer bytes (3 seeds, 300 steps of gpt-medium, since gradients carry fp32 block
-# scales); int8/int8, the default from 2026-12-01 while int8 gradients lost 4.5% of their norm to fp16 scales,
-# +1.11% at 3.8x (docs/codecs.md, "Which pair is the default").
+# The one place the run's wire codecs default; ``ravn plan`` reads the same: the pair with the fewest bytes
+# whose validation loss stays within 2% of fp32 (3 seeds x 300 steps of gpt-medium, docs/codecs.md, "Which
+# pair is the default"). int4_rot/int4_rot: +1.07% and -0.08% in two 3-seed sets at 7.3x fewer bytes, and
+# at 10 Mbit/s 1.3x sooner to the target loss than int4_rot/int8 (+0.25% at 5.3x), the default before.
 DEFAULT_WIRE_FORWARD = "int4_rot"
-DEFAULT_WIRE_BACKWARD = "int8"
+DEFAULT_WIRE_BACKWARD = "int4_rot"
 ON_OFF = ("on", "off")
 
 

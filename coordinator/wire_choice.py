@@ -4,9 +4,9 @@ Pure functions of the placement (blocks and their holders), the peers' measured 
 planned cost model; no I/O. A link is one (upstream holder, downstream holder) pair across the boundary
 between stage ``i`` and ``i + 1``. The rule, per direction:
 
-* The **ladder** is ordered least lossy first (``swarm.config.AUTO_FORWARD_LADDER``: bf16, int8,
-  int4_rot; ``AUTO_BACKWARD_LADDER``: bf16, int8), least per-message error first; int4 gradients and
-  plain int4 activations, whose loss cost at 300 steps exceeded 2%, are not on it (docs/codecs.md).
+* The **ladder** is ordered least lossy first (``swarm.config.AUTO_FORWARD_LADDER`` and
+  ``AUTO_BACKWARD_LADDER``: bf16, int8, int4_rot), least per-message error first; plain int4, whose loss
+  cost at 300 steps exceeded 2% before gradients got fp32 scales, is not on them (docs/codecs.md).
 * The **budget** of a boundary is the pipeline's bottleneck time per micro-batch without that boundary's
   transfers: the slowest stage of the cost model with the boundary's bytes set to zero (the other
   boundaries carry what the planner sized them with). A link that sends one micro-batch within it does

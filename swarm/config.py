@@ -17,13 +17,13 @@ SCHEDULES = ("sync", "async")
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,
 # least per-message error first (coordinator/wire_choice.py). Since gradients carry fp32 block scales
-# (3 seeds x 300 steps of gpt-medium, docs/codecs.md, "Which pair is the default"): int4_rot/int8 +0.25%,
-# int8/int8 +1.11%, bf16/bf16 +2.15%, within each other's spread; int4_rot activations are on the forward
-# ladder again (they cost +2.2% before that fix). int4 gradients and plain int4 activations (6-8% before
-# the fix, not re-measured) are off both ladders.
+# (3 seeds x 300 steps of gpt-medium, docs/codecs.md, "Which pair is the default"): int4_rot/int4_rot
+# +1.07% / -0.08% (two sets), int4_rot/int8 +0.25%, int8/int8 +1.11%, bf16/bf16 +2.15%, within each
+# other's spread; int4_rot is on both ladders (its gradients cost 6-8% before that fix). Plain int4
+# (6-8% before the fix, not re-measured) is on neither.
 WIRE_AUTO = "auto"
 AUTO_FORWARD_LADDER = ("bf16", "int8", "int4_rot")
-AUTO_BACKWARD_LADDER = ("bf16", "int8")
+AUTO_BACKWARD_LADDER = ("bf16", "int8", "int4_rot")
 
 
 def planned_codec(choice: str, ladder: tuple[str, ...]) -> str:
