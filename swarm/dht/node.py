@@ -156,7 +156,7 @@ class OwnedDHT(hivemind.DHT):
                 "gRPC's fork support is on, and a DHT process forked while gRPC is busy can crash:"
                 " import swarm before grpc, or set GRPC_ENABLE_FORK_SUPPORT=false"
             )
-        raise DHTStartError(f"{what}: {'; '.join(reasons)}" if reasons else what)
+        raise DHTStartError(f"{what}: {'; '.join(reasons)}" if reasons else what) from None
 
     def start(self) -> None:  # forks the DHT process
         if threading.current_thread() is not threading.main_thread():
