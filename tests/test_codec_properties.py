@@ -16,7 +16,7 @@ import tracemalloc
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from swarm.pb import wire_pb2 as pb
@@ -89,6 +89,10 @@ def test_truncated_or_extended_payload_and_scales_refused(codec, cut, which):
     field = "payload" if which == "p" or not enc.scales else "scales"
     data = getattr(enc, field)
     data = data[:cut] if cut < 0 else data + bytes(cut)
+    # scales carry no width field: fp16 and fp32 are told apart by length, so a cut that lands exactly on
+    # the other width's length (5 blocks: 10 <-> 20 bytes) is a well-formed message, not a malformed one
+    blocks = -(-300 // 64)
+    assume(not (field == "scales" and len(data) in (2 * blocks, 4 * blocks)))
     with pytest.raises(CodecError):
         decode(dataclasses.replace(enc, **{field: data}))
 
