@@ -121,9 +121,7 @@ class Recovery:
                 if await self._checkpoint_now() is None:
                     self.progress.message("could not checkpoint now; falling back to the last checkpoint")
                 for peer_id in leavers:
-                    sessions.peers[peer_id].commands.put_nowait(
-                        cpb.Command(shutdown=cpb.Shutdown(reason="leave granted"))
-                    )
+                    sessions.release(peer_id)
                     sessions.lost.add(peer_id)
             # nobody gone: a join, or a link broke while every peer lives: restart them all
             gone = await self._await_departures() if not joiners or leavers else set()

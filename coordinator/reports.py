@@ -58,11 +58,12 @@ class ReportIntake:
             flow.fail(f"peer {r.peer_id}: {r.error}")
         if r.leaving and r.peer_id not in sessions.leaving:
             sessions.leaving.add(r.peer_id)
-            self.progress.message(f"peer {r.peer_id} asks to leave: checkpointing the swarm to hand its block over")
             if flow.started and self.s.train.checkpoint_every and not flow.finished.is_set():
+                self.progress.message(f"peer {r.peer_id} asks to leave: checkpointing the swarm to hand its block over")
                 flow.fail(f"peer {r.peer_id} is leaving")
             else:
-                session.commands.put_nowait(cpb.Command(shutdown=cpb.Shutdown(reason="leave granted")))
+                self.progress.message(f"peer {r.peer_id} asks to leave: released")
+                sessions.release(r.peer_id)
 
     def exclude(self, peer_id: str, reason: str, *, by: str) -> None:
         """A neighbour reports ``peer_id`` as poisoned: drop it from the plan and re-plan without it.

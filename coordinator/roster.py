@@ -150,26 +150,22 @@ class Roster:
             self.consider_joins(records)
             for peer_id, (a, b, _) in list(self.planning.planned.items()):
                 record = records.get(peer_id)
-                if record is not None and record.state != "leaving":
+                left = peer_id in self.sessions.released or (record is not None and record.state == "leaving")
+                if record is not None and not left:
                     continue
-                if record is None and self.resumed and self._awaiting_record(peer_id):
+                if not left and self.resumed and self._awaiting_record(peer_id):
                     continue
-                if (
-                    record is None
-                    and self.flow.started
-                    and not self.flow.recovering
-                    and self.planning.replicated(peer_id)
-                ):
-                    await self.replica_gone(peer_id, "stopped heartbeating (its record expired)")
+                why = "left gracefully" if left else "stopped heartbeating (its record expired)"
+                if self.flow.started and not self.flow.recovering and self.planning.replicated(peer_id):
+                    await self.replica_gone(peer_id, why)
                     continue
-                why = "left gracefully" if record is not None else "stopped heartbeating (its record expired)"
                 self.flow.note_incident(f"peer {peer_id} {why}", peer_id, (a, b))
                 del self.planning.planned[peer_id]
                 self.sessions.departed.add(peer_id)
                 self.uncovered.append(f"layers [{a},{b})")
                 self.record.metrics.set_uncovered_blocks(len(self.uncovered))
                 self.record.artifacts.log(
-                    "membership", peer=peer_id, event="left" if record else "expired", layers=[a, b]
+                    "membership", peer=peer_id, event="left" if left else "expired", layers=[a, b]
                 )
                 self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
                 if self.planning.plan is not None:

@@ -54,6 +54,7 @@ class Sessions:
         self.lost: set[str] = set()  # control stream broken (or told to go): gone for the next re-plan
         self.departed: set[str] = set()  # DHT record expired or withdrawn
         self.leaving: set[str] = set()  # asked to leave
+        self.released: set[str] = set()  # leave granted: gone, whatever the DHT still says
         self.excluded: dict[str, str] = {}  # peer id -> why: never planned again in this run
         self.records_due: dict[str, float] = {}  # re-attached peers: when their DHT record must be back
 
@@ -144,6 +145,12 @@ class Sessions:
         if session is not None:
             session.commands.put_nowait(None)
         return session
+
+    def release(self, peer_id: str) -> None:
+        """Grant a leave: the peer goes now. Its DHT tombstone comes only after it closed its Stage, and
+        on a busy machine its last record may expire first, so the grant itself says it left."""
+        self.released.add(peer_id)
+        self.peers[peer_id].commands.put_nowait(cpb.Command(shutdown=cpb.Shutdown(reason="leave granted")))
 
     def send_all(self, command: cpb.Command) -> None:
         for session in self.peers.values():
