@@ -14,6 +14,7 @@ import torch
 from swarm.config import TrainConfig
 from swarm.messages import train_from_pb, train_to_pb
 from swarm.pb import wire_pb2 as pb
+from swarm.wire import quantize
 from swarm.wire.codec_policy import WirePolicy
 from swarm.wire.codecs import decode, encode
 from swarm.wire.packets import tensor_from_pb, tensor_to_pb
@@ -111,3 +112,24 @@ def test_error_feedback_flag_reaches_every_peer(tmp_path: Path) -> None:
     assert {m.group(1) for m in assigned} == {"on"}
     summary = next(m for m in read_metrics(tmp_path / "ef-on") if m["kind"] == "summary")
     assert summary["steps"] == 3 and summary["error_feedback_backward"] is True
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("codec", ["int8", "int4_rot"])
+def test_a_small_gradient_is_quantised_once(monkeypatch: pytest.MonkeyPatch, codec: str, error_feedback: bool) -> None:
+    """Gradients w.r.t. hidden states (~1e-7) need fp32 scales; finding that out with an fp16 pass first
+    quantised every gradient twice on the hot path."""
+    calls = []
+    real = quantize.quantize
+
+    def counted(*args, **kwargs):
+        calls.append(args[4] if len(args) > 4 else kwargs.get("scale_dtype", torch.float16))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize, "quantize", counted)
+    policy = WirePolicy("fp32", codec, error_feedback=error_feedback)
+    grad = torch.randn(2, 16, 64) * 1e-7
+    packet = policy.gradients(pb.MicroBatch(id=3), grad, to="up")
+    assert calls == [torch.float32]
+    y = tensor_from_pb(packet.gradients.grad)
+    assert float((y - grad).norm() / grad.norm()) < 0.2

@@ -223,6 +223,26 @@ def test_small_tensors_keep_their_relative_precision(codec, magnitude):
     assert errors[1] < 1.05 * errors[0], errors
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
+def test_the_small_hint_never_changes_the_bytes(codec):
+    """``small=True`` (gradients) quantises with fp32 scales first, to skip the fp16 pass that only finds
+    the tensor too small; the bytes must be what the rule without the hint chooses, also at the line
+    between fp16 and fp32 scales (2**-10 times L), below and above it, and for odd lengths."""
+    torch.manual_seed(0)
+    levels = {"int8": 127, "int4": 7, "int4_rot": 7}[codec]
+    line = quantize.FP16_SCALE_MIN * levels  # absmax where the largest scale crosses 2**-10
+    for n in (64, 1000, 4096 + 37):
+        base = torch.randn(n)
+        base /= base.abs().max()
+        for absmax in (1e-9, 1e-7, 1e-5, line * 0.5, line * 0.99, line * 0.999, line, line * 1.001, line * 2, 1.0, 3e5):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (base * absmax).to(dtype)
+                plain, hinted = encode(x, codec, seed=7), encode(x, codec, seed=7, small=True)
+                assert (hinted.payload, hinted.scales) == (plain.payload, plain.scales), (n, absmax, dtype)
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        encode(torch.tensor([1e-7, float("nan")]), codec, small=True)
+
+
 def test_decoded_tensor_owns_its_memory_and_input_untouched():
     x = torch.randn(3, 64)
     keep = x.clone()

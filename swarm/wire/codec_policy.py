@@ -63,6 +63,8 @@ class WirePolicy:
         if grad is not None:
             codec = self.codec_to(to)
             options = self._options(codec, mb)
+            if options:  # gradients w.r.t. hidden states (~1e-7) travel with fp32 scales: quantise once
+                options["small"] = True
             if codec in LOSSY and self.error_feedback:
                 try:
                     enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, codec, **options)

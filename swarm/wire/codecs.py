@@ -22,6 +22,7 @@ See ``docs/codecs.md`` for the layout, the error bound of each codec and measure
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -120,6 +121,18 @@ def _all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
+def _surely_below_fp16_scales(scales32: torch.Tensor) -> bool:
+    """Would fp16 scales (a larger floor, rounded up to fp16) have stayed below ``FP16_SCALE_MIN`` too?
+
+    The bound is loose (one fp16 subnormal step and twice fp16's rounding on top of the fp32 scales), so
+    it never says yes where the fp16 pass would have chosen fp16; near the line the caller asks that pass.
+    """
+    if not scales32.numel():
+        return False
+    top = float(scales32.max())
+    return math.isfinite(top) and (top + 2.0**-24) * (1.0 + 2.0**-9) < quantize.FP16_SCALE_MIN
+
+
 def _check_quant_params(codec: str, block_size: object, seed: object) -> int:
     """Validate block size and seed of an integer codec; returns its bit width."""
     bits = _BITS[codec]
@@ -141,11 +154,15 @@ def encode(
     block_size: int = DEFAULT_BLOCK_SIZE,
     seed: int = 0,
     allow_nonfinite: bool = False,
+    small: bool = False,
 ) -> EncodedTensor:
     """Encode ``x`` with ``codec``; refuses NaN/Inf unless allowed (a broken peer must not spread them).
 
-    ``block_size`` and ``seed`` matter only to the integer codecs. Those cannot represent NaN/Inf at all
-    (their scales must be finite), so they refuse non-finite input even with ``allow_nonfinite``.
+    ``block_size`` and ``seed`` matter only to the integer codecs. ``small`` says that ``x`` is probably
+    too small for fp16 scales (gradients w.r.t. hidden states, ~1e-7): the integer codecs then quantise
+    with fp32 scales first and mostly need one pass instead of two; the bytes are the same either way.
+    The integer codecs cannot represent NaN/Inf at all (their scales must be finite), so they refuse
+    non-finite input even with ``allow_nonfinite``.
     The decoded tensor will have ``x.dtype``, which must be float32, float16 or bfloat16 for every
     codec but ``raw``.
     """
@@ -175,15 +192,21 @@ def encode(
     # On CPU the payload is written straight into the bytes that travel (no tensor, then a copy).
     data, view = bytes_out.new_bytes(quantize.payload_nbytes(flat.numel(), bits)) if flat.is_cpu else (b"", None)
     out = None if view is None else view.view(torch.int8) if bits == 8 else view
-    payload, scales = quantize.quantize(flat, bits, block_size, rotation, payload=out)
-    if scales.numel() and not bool(torch.isfinite(scales).all()):
-        if not _all_finite(flat):
-            raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
-        # too large for fp16 scales (int4 near 4.6e5): the same layout with fp32 scales, still exact in range
+    payload, scales = None, None
+    if small:  # fp32 scales first; kept where fp16 ones would surely have been too small (the rule below)
         payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32, payload=out)
-    elif scales.numel() and float(scales.max()) < quantize.FP16_SCALE_MIN:
-        # too small for fp16 scales (gradients, ~1e-7): fp32 ones keep their precision, 2 bytes per block more
-        payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32, payload=out)
+        if not _surely_below_fp16_scales(scales):
+            payload, scales = None, None
+    if scales is None:
+        payload, scales = quantize.quantize(flat, bits, block_size, rotation, payload=out)
+        if scales.numel() and not bool(torch.isfinite(scales).all()):
+            if not _all_finite(flat):
+                raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
+            # too large for fp16 scales (int4 near 4.6e5): the same layout with fp32 scales, exact in range
+            payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32, payload=out)
+        elif scales.numel() and float(scales.max()) < quantize.FP16_SCALE_MIN:
+            # too small for fp16 scales (gradients, ~1e-7): fp32 ones keep their precision, 2 bytes per block more
+            payload, scales = quantize.quantize(flat, bits, block_size, rotation, torch.float32, payload=out)
     if view is None:
         data = _to_bytes(payload)
     del payload, out, view  # nothing may write into ``data`` once it is shared
