@@ -251,6 +251,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="runs per measurement; median and best are kept")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument(
+        "--gradient-scale",
+        type=float,
+        default=1e-3,
+        help="scale of the gradient-like tensor (gradients w.r.t. hidden states are ~1e-7 in training)",
+    )
     parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline rows")
     parser.add_argument("--no-thp", action="store_true", help="do not set THP_MEM_ALLOC_ENABLE=1 (peers do)")
     parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS)
@@ -271,7 +277,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     numel = args.mib * (1 << 20) // 4
-    tensors = {"activations": activation_like(numel), "gradients": gradient_like(numel)}
+    tensors = {"activations": activation_like(numel), "gradients": gradient_like(numel, args.gradient_scale)}
     rows: list[Row] = []
     for name, x in tensors.items():
         for codec in args.codecs:
@@ -280,7 +286,8 @@ def main() -> None:
             rows.extend(measure_hivemind(name, x, max(1, args.repeats // 2)))
 
     header = (
-        f"{args.mib} MiB float32 tensors, block {args.block_size}, {args.threads} thread(s), median (and best) "
+        f"{args.mib} MiB float32 tensors (gradients x {args.gradient_scale:g}), block {args.block_size}, "
+        f"{args.threads} thread(s), median (and best) "
         f"of {args.repeats}, {args.clock} clock; "
         f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, "
         f"torch {torch.__version__}, "

@@ -20,12 +20,26 @@ from swarm.config import BASE_QUANTS, MODEL_PRESETS, SCHEDULES, WIRE_AUTO, HFCon
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
-# The one place the run's wire codecs default; ``ravn plan`` reads the same: the pair with the fewest bytes
-# whose validation loss stays within 2% of fp32 (3 seeds x 300 steps of gpt-medium, docs/codecs.md, "Which
-# pair is the default"). int4_rot/int4_rot: +1.07% and -0.08% in two 3-seed sets at 7.3x fewer bytes, and
-# at 10 Mbit/s 1.3x sooner to the target loss than int4_rot/int8 (+0.25% at 5.3x), the default before.
-DEFAULT_WIRE_FORWARD = "int4_rot"
-DEFAULT_WIRE_BACKWARD = "int4_rot"
+# The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width, the pair
+# with the fewest bytes whose validation loss stays within 2% of fp32 (3 seeds x 300 steps, docs/codecs.md,
+# "Which pair is the default"). At width 256 (gpt-medium) int4_rot/int4_rot: +1.07% and -0.08% in two
+# 3-seed sets at 7.3x fewer bytes, and at 10 Mbit/s 1.3x sooner to the target loss than int4_rot/int8. At
+# width 128 (gpt-small, ravn local's default model) 4-bit activations cost +2.4% (int4_rot/int8) and +3.2%
+# (int4_rot/int4_rot), int8/int8 -0.49% with a flat last third (int8/int4_rot +0.41%, but its gap grew).
+# Wider models (every Hugging Face checkpoint) take the wide pair: measured at 256, not beyond.
+DEFAULT_WIRE_WIDE = ("int4_rot", "int4_rot")
+DEFAULT_WIRE_NARROW = ("int8", "int8")
+WIDE_FROM = 256  # d_model from which the 4-bit pair is the default
+
+
+def default_wire(d_model: int) -> tuple[str, str]:
+    """(forward, backward) codecs of a run that names none, for a model ``d_model`` wide."""
+    return DEFAULT_WIRE_WIDE if d_model >= WIDE_FROM else DEFAULT_WIRE_NARROW
+
+
+WIRE_DEFAULT_HELP = (
+    f"default: {DEFAULT_WIRE_WIDE[0]} for models {WIDE_FROM} or more wide, {DEFAULT_WIRE_NARROW[0]} for narrower ones"
+)
 ON_OFF = ("on", "off")
 
 
@@ -40,8 +54,8 @@ class RunOptions:
     seed: int
     eval_every: int
     eval_batches: int
-    wire_forward: str
-    wire_backward: str
+    wire_forward: str | None  # None: default_wire(the model's width)
+    wire_backward: str | None
     error_feedback_backward: bool
     schedule: str
     max_staleness: int
@@ -121,7 +135,15 @@ class RunOptions:
         """Stale gradients can spike the loss; with S = 0 nothing is stale, and clipping would break exactness."""
         return 1.0 if self.schedule == "async" and self.max_staleness > 0 else 0.0
 
+    def wire(self) -> tuple[str, str]:
+        """The run's (forward, backward) codecs: those given, else the default for the model's width."""
+        if self.wire_forward is not None and self.wire_backward is not None:
+            return self.wire_forward, self.wire_backward
+        fwd, bwd = default_wire(self.model_config().d_model)
+        return self.wire_forward or fwd, self.wire_backward or bwd
+
     def train_config(self) -> TrainConfig:
+        wire_forward, wire_backward = self.wire()
         return TrainConfig(
             steps=self.steps,
             micro_batches=self.micro_batches,
@@ -132,8 +154,8 @@ class RunOptions:
             data_seed=self.seed,
             eval_every=self.eval_every,
             eval_batches=self.eval_batches,
-            wire_forward=self.wire_forward,
-            wire_backward=self.wire_backward,
+            wire_forward=wire_forward,
+            wire_backward=wire_backward,
             error_feedback_backward=self.error_feedback_backward,
             schedule=self.schedule,
             max_staleness=self.max_staleness,
@@ -219,19 +241,23 @@ def _train_params(
     eval_every: Annotated[int, typer.Option(min=0, help="Steps between validation passes (0: only at the end).")] = 50,
     eval_batches: Annotated[int, typer.Option(min=1, help="Micro-batches per validation pass.")] = 8,
     wire_forward: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help=f"Codec for activations: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth).",
-            callback=lambda v: _check_choice(v, WIRE_CHOICES, "codec"),
+            help=f"Codec for activations: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth; "
+            f"{WIRE_DEFAULT_HELP}).",
+            callback=lambda v: v if v is None else _check_choice(v, WIRE_CHOICES, "codec"),
+            show_default=False,
         ),
-    ] = DEFAULT_WIRE_FORWARD,
+    ] = None,
     wire_backward: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help=f"Codec for gradients: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth).",
-            callback=lambda v: _check_choice(v, WIRE_CHOICES, "codec"),
+            help=f"Codec for gradients: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth; "
+            f"{WIRE_DEFAULT_HELP}).",
+            callback=lambda v: v if v is None else _check_choice(v, WIRE_CHOICES, "codec"),
+            show_default=False,
         ),
-    ] = DEFAULT_WIRE_BACKWARD,
+    ] = None,
     error_feedback_backward: Annotated[
         str,
         typer.Option(

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import CostModel, PeerSpec
-from coordinator.options import DEFAULT_WIRE_BACKWARD, DEFAULT_WIRE_FORWARD
+from coordinator.options import WIRE_DEFAULT_HELP, default_wire
 from coordinator.placement import NoFit, PlacementError, place
 from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
@@ -291,11 +291,19 @@ def plan(
     context: Annotated[int, typer.Option(min=0, help="Tokens per sequence (0: min(512, the model's positions)).")] = 0,
     in_flight: Annotated[int, typer.Option(min=0, help="Micro-batches in flight (0: the runtime default).")] = 0,
     wire_forward: Annotated[
-        str, typer.Option(help="Wire codec of activations (default: ravn local's), or auto (chosen per link).")
-    ] = DEFAULT_WIRE_FORWARD,
+        str | None,
+        typer.Option(
+            help=f"Wire codec of activations, or auto (chosen per link); {WIRE_DEFAULT_HELP}, as in ravn local.",
+            show_default=False,
+        ),
+    ] = None,
     wire_backward: Annotated[
-        str, typer.Option(help="Wire codec of gradients (default: ravn local's), or auto (chosen per link).")
-    ] = DEFAULT_WIRE_BACKWARD,
+        str | None,
+        typer.Option(
+            help=f"Wire codec of gradients, or auto (chosen per link); {WIRE_DEFAULT_HELP}, as in ravn local.",
+            show_default=False,
+        ),
+    ] = None,
     activation_checkpointing: Annotated[bool, typer.Option(help="Keep only layer inputs; recompute.")] = False,
     stages: Annotated[int, typer.Option(min=0, help="Pipeline stages (0: one per peer).")] = 0,
     reserve: Annotated[float, typer.Option(min=0, help="GiB kept free on every peer.")] = DEFAULT_RESERVE_GIB,
@@ -308,9 +316,11 @@ def plan(
                 f"--dtype {dtype} --quant {quant}: choose {'/'.join(mm.DTYPE_BYTES)} and {'/'.join(BASE_QUANTS)}"
             )
         for codec in (wire_forward, wire_backward):
-            if codec not in CODEC_BYTES and codec != WIRE_AUTO:
+            if codec is not None and codec not in CODEC_BYTES and codec != WIRE_AUTO:
                 raise SpecError(f"unknown codec {codec!r}; choose {', '.join(CODEC_BYTES)} or {WIRE_AUTO}")
         arch = mm.Arch.from_path(model)
+        default_forward, default_backward = default_wire(arch.hidden)
+        wire_forward, wire_backward = wire_forward or default_forward, wire_backward or default_backward
         ctx = context or min(512, arch.max_positions or 512)
         if arch.max_positions and ctx > arch.max_positions:
             raise SpecError(f"--context {ctx} exceeds the model's {arch.max_positions} positions")

@@ -1,0 +1,74 @@
+"""The default wire codecs follow the model's width: 4-bit from width 256, int8 on narrower models.
+
+Measured (docs/codecs.md, "Which pair is the default"): at width 256 (gpt-medium) int4_rot/int4_rot stays
+within 2% of fp32, at width 128 (gpt-small, ravn local's default model) 4-bit activations cost 2.4-3.2% and
+int8/int8 stays within 2%. ``ravn local``, ``ravn-coordinator serve`` and ``ravn plan`` apply the same
+rule; a codec the user names is kept as given.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from coordinator.options import DEFAULT_WIRE_NARROW, DEFAULT_WIRE_WIDE, RunOptions, default_wire, with_train_options
+from coordinator.ravn_cli import app as ravn_app
+from swarm.config import MODEL_PRESETS
+from tests.test_plan_command import TINY
+
+
+def chosen(*args: str) -> tuple[str, str]:
+    """The (forward, backward) codecs a run started with ``args`` would train with."""
+    app = typer.Typer()
+    seen: list[tuple[str, str]] = []
+
+    @app.command()
+    @with_train_options
+    def serve(options: RunOptions) -> None:
+        train = options.train_config()
+        seen.append((train.wire_forward, train.wire_backward))
+
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+def test_the_rule() -> None:
+    assert default_wire(128) == DEFAULT_WIRE_NARROW == ("int8", "int8")
+    assert default_wire(255) == DEFAULT_WIRE_NARROW
+    assert default_wire(256) == DEFAULT_WIRE_WIDE == ("int4_rot", "int4_rot")
+    assert default_wire(8192) == DEFAULT_WIRE_WIDE
+
+
+def test_runs_take_the_default_of_their_model_and_keep_what_the_user_names() -> None:
+    assert MODEL_PRESETS["gpt-small"].d_model == 128 and MODEL_PRESETS["gpt-medium"].d_model == 256
+    assert chosen() == ("int8", "int8")  # gpt-small, ravn local's default model
+    assert chosen("--model", "gpt-medium") == ("int4_rot", "int4_rot")
+    assert chosen("--wire-forward", "bf16") == ("bf16", "int8")
+    assert chosen("--model", "gpt-medium", "--wire-backward", "int8") == ("int4_rot", "int8")
+    assert chosen("--wire-forward", "auto", "--wire-backward", "fp32") == ("auto", "fp32")
+
+
+def test_an_unknown_codec_is_still_refused() -> None:
+    app = typer.Typer()
+
+    @app.command()
+    @with_train_options
+    def serve(options: RunOptions) -> None:
+        raise AssertionError("must not start")
+
+    result = CliRunner().invoke(app, ["--wire-forward", "int3"])
+    assert result.exit_code == 2 and "unknown codec 'int3'" in result.output, result.output
+
+
+def test_ravn_plan_takes_the_same_default(tmp_path: Path) -> None:
+    peers = ["--peer", "4GiB,100mbit", "--peer", "4GiB,100mbit"]
+    for hidden, pair in ((256, DEFAULT_WIRE_WIDE), (128, DEFAULT_WIRE_NARROW)):
+        (tmp_path / "config.json").write_text(json.dumps({**TINY, "hidden_size": hidden}))
+        result = CliRunner().invoke(ravn_app, ["plan", "--model", str(tmp_path), *peers, "--json"])
+        assert result.exit_code == 0, result.output
+        settings = json.loads(result.output)["settings"]
+        assert (settings["wire_forward"], settings["wire_backward"]) == pair, settings
