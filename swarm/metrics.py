@@ -174,28 +174,36 @@ class PeerMetrics(Collector):
 
         yield gauge("ravn_peer_stage", "Pipeline stage this peer holds (NaN before its assignment).", stage)
         yield gauge("ravn_peer_layer_start", "First layer of this peer's block.", layers[0] if layers else None)
-        yield gauge("ravn_peer_layer_end", "Layer after the last one of this peer's block.",
-                    layers[1] if layers else None)
+        yield gauge(
+            "ravn_peer_layer_end", "Layer after the last one of this peer's block.", layers[1] if layers else None
+        )
         yield counter("ravn_peer_forward_micro_batches", "Training micro-batches run forward.", s.forward_micro_batches)
         yield counter("ravn_peer_backward_micro_batches", "Micro-batches run backward.", s.backward_micro_batches)
         yield counter("ravn_peer_sent_bytes", "Bytes sent to the neighbours.", s.bytes_sent)
         yield counter("ravn_peer_received_bytes", "Bytes received from the neighbours.", s.bytes_received)
         yield counter("ravn_peer_compute_seconds", "Seconds the compute thread spent computing.", s.compute_seconds)
         yield counter("ravn_peer_idle_seconds", "Seconds the compute thread waited for work.", s.idle_seconds)
-        yield gauge("ravn_peer_tokens_per_second", "Training tokens through this stage per second (window).",
-                    rates.tokens_per_s)
+        yield gauge(
+            "ravn_peer_tokens_per_second", "Training tokens through this stage per second (window).", rates.tokens_per_s
+        )
         yield gauge("ravn_peer_upload_mbit_per_second", "Upload to the neighbours, Mbit/s (window).", rates.up_mbit_s)
-        yield gauge("ravn_peer_download_mbit_per_second", "Download from the neighbours, Mbit/s (window).",
-                    rates.down_mbit_s)
-        yield gauge("ravn_peer_bubble_fraction", "Share of wall time the compute thread was idle (window).",
-                    rates.bubble_fraction)
+        yield gauge(
+            "ravn_peer_download_mbit_per_second", "Download from the neighbours, Mbit/s (window).", rates.down_mbit_s
+        )
+        yield gauge(
+            "ravn_peer_bubble_fraction",
+            "Share of wall time the compute thread was idle (window).",
+            rates.bubble_fraction,
+        )
         yield _staleness_histogram(labels, value, list(s.staleness_counts))
         yield counter("ravn_peer_dropped_gradients", "Gradients dropped as too stale.", s.dropped)
         yield counter("ravn_peer_refused_packets", "Packets from neighbours refused as bad input.", s.refused)
-        yield counter("ravn_peer_rejected_tensors", "Neighbours' tensors rejected as implausible (dropped).",
-                      s.rejected)
+        yield counter(
+            "ravn_peer_rejected_tensors", "Neighbours' tensors rejected as implausible (dropped).", s.rejected
+        )
         by_sender = CounterMetricFamily(
-            "ravn_peer_rejected_tensors_by_sender", "Implausible tensors rejected, per sending neighbour.",
+            "ravn_peer_rejected_tensors_by_sender",
+            "Implausible tensors rejected, per sending neighbour.",
             labels=["peer", "sender"],
         )
         for sender, n in sorted(s.rejected_by_sender.items()):
@@ -318,8 +326,9 @@ class CoordinatorMetrics(Collector):
         yield g
         yield gauge("ravn_run_uncovered_blocks", "Blocks of layers no live peer holds.", uncovered)
         yield gauge("ravn_run_wire_sent_bytes", "Bytes sent between peers so far.", wire)
-        yield gauge("ravn_run_wire_bytes_per_token", "Bytes on the wire per training token.",
-                    wire / tokens if tokens else None)
+        yield gauge(
+            "ravn_run_wire_bytes_per_token", "Bytes on the wire per training token.", wire / tokens if tokens else None
+        )
 
 
 # ---- the server ----------------------------------------------------------------------------------

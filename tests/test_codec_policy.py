@@ -133,3 +133,29 @@ def test_a_small_gradient_is_quantised_once(monkeypatch: pytest.MonkeyPatch, cod
     assert calls == [torch.float32]
     y = tensor_from_pb(packet.gradients.grad)
     assert float((y - grad).norm() / grad.norm()) < 0.2
+
+
+def test_a_link_whose_gradients_are_not_small_stops_trying_fp32_scales_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong guess costs the second pass once, not on every gradient: the link remembers the last one."""
+    calls = []
+    real = quantize.quantize
+
+    def counted(*args, **kwargs):
+        calls.append(args[4] if len(args) > 4 else kwargs.get("scale_dtype", torch.float16))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize, "quantize", counted)
+    policy = WirePolicy("fp32", "int8")
+    large, small = torch.randn(2, 16, 64), torch.randn(2, 16, 64) * 1e-7
+    for grad, expected in [
+        (large, [torch.float32, torch.float16]),  # guessed small: fp32 first, then what the rule chose
+        (large, [torch.float16]),
+        (small, [torch.float16, torch.float32]),
+        (small, [torch.float32]),
+    ]:
+        calls.clear()
+        packet = policy.gradients(pb.MicroBatch(id=3), grad, to="up")
+        assert calls == expected
+        assert packet.gradients.grad.scales == tensor_to_pb(grad, "int8", block_size=64, seed=3).scales
+    policy.gradients(pb.MicroBatch(id=4), small, to="other")  # each link guesses on its own
+    assert policy._small == {"up": True, "other": True}

@@ -39,18 +39,36 @@ def make_app(default_file: Path | None = None) -> typer.Typer:
         key_file: Path | None = None,
         coordinator_key: str = "",
     ) -> None:
-        typer.echo(json.dumps({"swarm": swarm, "initial_peers": initial_peers, "port": port, "host": host,
-                               "verbose": verbose, "key_file": str(key_file) if key_file else None,
-                               "coordinator_key": coordinator_key}))
+        typer.echo(
+            json.dumps(
+                {
+                    "swarm": swarm,
+                    "initial_peers": initial_peers,
+                    "port": port,
+                    "host": host,
+                    "verbose": verbose,
+                    "key_file": str(key_file) if key_file else None,
+                    "coordinator_key": coordinator_key,
+                }
+            )
+        )
 
     @app.command()
     @with_train_options
     def serve(options: RunOptions, port: int = 31337, peers: int = 3) -> None:
-        typer.echo(json.dumps({"port": port, "peers": peers, "steps": options.steps, "model": options.model,
-                               "activation_checkpointing": options.activation_checkpointing}))
+        typer.echo(
+            json.dumps(
+                {
+                    "port": port,
+                    "peers": peers,
+                    "steps": options.steps,
+                    "model": options.model,
+                    "activation_checkpointing": options.activation_checkpointing,
+                }
+            )
+        )
 
-    return enable_config(app, sections={"join": "peer.join", "serve": "coordinator.serve"},
-                         default_file=default_file)
+    return enable_config(app, sections={"join": "peer.join", "serve": "coordinator.serve"}, default_file=default_file)
 
 
 @pytest.fixture(autouse=True)
@@ -106,8 +124,15 @@ peers = 9
 
 
 def test_built_in_defaults_without_any_config() -> None:
-    assert run(["join"]) == {"swarm": "", "initial_peers": None, "port": 0, "host": "127.0.0.1", "verbose": False,
-                             "key_file": None, "coordinator_key": ""}
+    assert run(["join"]) == {
+        "swarm": "",
+        "initial_peers": None,
+        "port": 0,
+        "host": "127.0.0.1",
+        "verbose": False,
+        "key_file": None,
+        "coordinator_key": "",
+    }
 
 
 def test_file_sections_flat_keys_and_parent_tables(tmp_path: Path) -> None:
@@ -225,11 +250,18 @@ def test_section_defaults_pure() -> None:
 
 
 def test_join_file_round_trip_and_is_a_peer_config(tmp_path: Path) -> None:
-    path = write_join_file(tmp_path / "shared" / "join.toml", swarm="compose",
-                           initial_peers=["/ip4/172.28.0.10/tcp/31338/p2p/12D3KooWabc"],
-                           coordinator_key='AAAA"key\\with/odd+chars=', comment="swarm compose\nkey ab:cd")
-    assert read_join_file(path) == {"swarm": "compose", "initial_peers": ["/ip4/172.28.0.10/tcp/31338/p2p/12D3KooWabc"],
-                                    "coordinator_key": 'AAAA"key\\with/odd+chars='}
+    path = write_join_file(
+        tmp_path / "shared" / "join.toml",
+        swarm="compose",
+        initial_peers=["/ip4/172.28.0.10/tcp/31338/p2p/12D3KooWabc"],
+        coordinator_key='AAAA"key\\with/odd+chars=',
+        comment="swarm compose\nkey ab:cd",
+    )
+    assert read_join_file(path) == {
+        "swarm": "compose",
+        "initial_peers": ["/ip4/172.28.0.10/tcp/31338/p2p/12D3KooWabc"],
+        "coordinator_key": 'AAAA"key\\with/odd+chars=',
+    }
     assert path.read_text().startswith("# swarm compose\n# key ab:cd\n")
     assert not list(path.parent.glob(".*.tmp"))
     out = run(["join", "--config", str(path)])  # usable as-is as `ravn-peer join --config`

@@ -56,8 +56,12 @@ def cli_options(program: str, command: str) -> set[str]:
     module = console_scripts()[program].split(":")[0]
     app = __import__(module, fromlist=["app"]).app
     cmd = typer.main.get_command(app).commands[command]
-    return {opt for p in cmd.params for opt in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))
-            if opt.startswith("--")} | {"--help"}
+    return {
+        opt
+        for p in cmd.params
+        for opt in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))
+        if opt.startswith("--")
+    } | {"--help"}
 
 
 def flags(args: list[str]) -> set[str]:
@@ -171,7 +175,7 @@ def test_entrypoint_is_valid_bash() -> None:
 
 def test_entrypoint_flags_and_variables_are_ones_ravn_peer_reads() -> None:
     text = ENTRYPOINT.read_text()
-    exec_line = text[text.index("exec ravn-peer join"):].replace("\\\n", " ")
+    exec_line = text[text.index("exec ravn-peer join") :].replace("\\\n", " ")
     assert not flags(exec_line.split()) - cli_options("ravn-peer", "join")
     module = console_scripts()["ravn-peer"].split(":")[0]
     join = typer.main.get_command(__import__(module, fromlist=["app"]).app).commands["join"]
@@ -201,16 +205,20 @@ def stub_path(tmp_path: Path) -> str:
 
 def run_entrypoint(path: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RAVN_")}
-    return subprocess.run(["bash", str(ENTRYPOINT), *args], env={**clean, "PATH": path, **env},
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["bash", str(ENTRYPOINT), *args], env={**clean, "PATH": path, **env}, capture_output=True, text=True, timeout=30
+    )
 
 
 def test_entrypoint_turns_the_join_file_into_ravn_peer_variables(tmp_path: Path, stub_path: str) -> None:
     maddrs = ["/ip4/172.28.0.10/tcp/31338/p2p/12D3KooWA", "/ip4/127.0.0.1/tcp/31338/p2p/12D3KooWA"]
-    join = write_join_file(tmp_path / "join.toml", swarm="compose", initial_peers=maddrs,
-                           coordinator_key="AAAAC3Nza'C1lZDI1NTE5 $(touch pwned)")
-    proc = run_entrypoint(stub_path, {"RAVN_JOIN_FILE": str(join), "RAVN_ANNOUNCE": "172.28.0.11"},
-                          "--name", "peer1")
+    join = write_join_file(
+        tmp_path / "join.toml",
+        swarm="compose",
+        initial_peers=maddrs,
+        coordinator_key="AAAAC3Nza'C1lZDI1NTE5 $(touch pwned)",
+    )
+    proc = run_entrypoint(stub_path, {"RAVN_JOIN_FILE": str(join), "RAVN_ANNOUNCE": "172.28.0.11"}, "--name", "peer1")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["env"]["RAVN_SWARM"] == "compose"
@@ -220,12 +228,16 @@ def test_entrypoint_turns_the_join_file_into_ravn_peer_variables(tmp_path: Path,
     assert out["args"][:1] == ["join"] and out["args"][-2:] == ["--name", "peer1"]
     a = out["args"]
     assert (a[a.index("--host") + 1], a[a.index("--announce") + 1], a[a.index("--port") + 1]) == (
-        "0.0.0.0", "172.28.0.11", "31400")
+        "0.0.0.0",
+        "172.28.0.11",
+        "31400",
+    )
 
 
 def test_entrypoint_keeps_variables_already_set_and_finds_its_address(tmp_path: Path, stub_path: str) -> None:
-    join = write_join_file(tmp_path / "join.toml", swarm="compose", initial_peers=["/ip4/1.2.3.4/tcp/1/p2p/X"],
-                           coordinator_key="K")
+    join = write_join_file(
+        tmp_path / "join.toml", swarm="compose", initial_peers=["/ip4/1.2.3.4/tcp/1/p2p/X"], coordinator_key="K"
+    )
     proc = run_entrypoint(stub_path, {"RAVN_JOIN_FILE": str(join), "RAVN_SWARM": "mine", "RAVN_PORT": "31500"})
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)

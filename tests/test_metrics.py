@@ -38,13 +38,33 @@ def test_peer_metrics_over_http(server: MetricsServer) -> None:
     clock = [100.0]
     peer = server.peer("p1", window_s=10.0, clock=lambda: clock[0])
     peer.set_assignment(stage=1, layer_start=2, layer_end=4, tokens_per_micro_batch=512)
-    peer.update(stats(forward_micro_batches=10, bytes_sent=1_000_000, bytes_received=2_000_000, idle_seconds=1.0,
-                      wall_seconds=10.0))
+    peer.update(
+        stats(
+            forward_micro_batches=10,
+            bytes_sent=1_000_000,
+            bytes_received=2_000_000,
+            idle_seconds=1.0,
+            wall_seconds=10.0,
+        )
+    )
     clock[0] = 102.0
-    peer.update(stats(forward_micro_batches=30, backward_micro_batches=28, bytes_sent=3_500_000,
-                      bytes_received=4_000_000, compute_seconds=7.5, idle_seconds=1.5, wall_seconds=12.0,
-                      weight_version=7, dropped=2, refused=1, staleness_counts=[5, 3, 2], in_flight_peak=9,
-                      kept_weights_bytes_peak=4096))
+    peer.update(
+        stats(
+            forward_micro_batches=30,
+            backward_micro_batches=28,
+            bytes_sent=3_500_000,
+            bytes_received=4_000_000,
+            compute_seconds=7.5,
+            idle_seconds=1.5,
+            wall_seconds=12.0,
+            weight_version=7,
+            dropped=2,
+            refused=1,
+            staleness_counts=[5, 3, 2],
+            in_flight_peak=9,
+            kept_weights_bytes_peak=4096,
+        )
+    )
     port = server.start(0)
     assert port > 0
     m = scrape(port)
@@ -65,8 +85,9 @@ def test_peer_metrics_over_http(server: MetricsServer) -> None:
     assert m[("ravn_peer_weight_version", p)] == 7
     assert m[("ravn_peer_in_flight_peak", p)] == 9
     assert m[("ravn_peer_kept_weights_peak_bytes", p)] == 4096
-    buckets = {le: m[("ravn_peer_gradient_staleness_bucket", (("le", le), ("peer", "p1")))]
-               for le in ("0", "1", "2", "+Inf")}
+    buckets = {
+        le: m[("ravn_peer_gradient_staleness_bucket", (("le", le), ("peer", "p1")))] for le in ("0", "1", "2", "+Inf")
+    }
     assert buckets == {"0": 5, "1": 8, "2": 10, "+Inf": 10}
     assert m[("ravn_peer_gradient_staleness_count", p)] == 10
     assert m[("ravn_peer_gradient_staleness_sum", p)] == 3 + 2 * 2

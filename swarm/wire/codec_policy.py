@@ -23,6 +23,7 @@ from swarm.pb import wire_pb2 as pb
 from swarm.wire.codecs import DEFAULT_BLOCK_SIZE
 from swarm.wire.error_feedback import ErrorFeedback
 from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
+from swarm.wire.quantize import num_blocks
 
 LOSSY = {"int8", "int4", "int4_rot"}
 
@@ -37,6 +38,7 @@ class WirePolicy:
     backward_to: dict[str, str] = field(default_factory=dict)  # upstream holder -> codec of gradients to it
     sent: Counter[str] = field(default_factory=Counter)  # "forward:<codec>" / "backward:<codec>" -> tensors
     _feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # destination peer id -> its residual
+    _small: dict[str, bool] = field(default_factory=dict)  # destination -> its last gradient had fp32 scales
 
     def _options(self, codec: str, mb: pb.MicroBatch) -> dict:
         if codec not in LOSSY:
@@ -63,8 +65,8 @@ class WirePolicy:
         if grad is not None:
             codec = self.codec_to(to)
             options = self._options(codec, mb)
-            if options:  # gradients w.r.t. hidden states (~1e-7) travel with fp32 scales: quantise once
-                options["small"] = True
+            if options:  # quantise once: fp32 scales first while this link's last gradient needed them
+                options["small"] = self._small.get(to, True)  # gradients w.r.t. hidden states are ~1e-7
             if codec in LOSSY and self.error_feedback:
                 try:
                     enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, codec, **options)
@@ -73,6 +75,8 @@ class WirePolicy:
                 msg.grad.CopyFrom(encoded_to_pb(enc))
             else:
                 msg.grad.CopyFrom(tensor_to_pb(grad, codec, **options))
+            if options:
+                self._small[to] = len(msg.grad.scales) == 4 * num_blocks(grad.numel(), self.block_size)
             self.sent[f"backward:{codec}"] += 1
         return pb.Packet(gradients=msg)
 
