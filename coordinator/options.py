@@ -16,7 +16,16 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from swarm.config import BASE_QUANTS, MODEL_PRESETS, SCHEDULES, WIRE_AUTO, HFConfig, ModelConfig, TrainConfig
+from swarm.config import (
+    BASE_QUANTS,
+    MODEL_PRESETS,
+    SCHEDULES,
+    WIDE_FROM,
+    WIRE_AUTO,
+    HFConfig,
+    ModelConfig,
+    TrainConfig,
+)
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
@@ -29,7 +38,6 @@ WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its mea
 # Wider models (every Hugging Face checkpoint) take the wide pair: measured at 256, not beyond.
 DEFAULT_WIRE_WIDE = ("int4_rot", "int4_rot")
 DEFAULT_WIRE_NARROW = ("int8", "int8")
-WIDE_FROM = 256  # d_model from which the 4-bit pair is the default
 
 
 def default_wire(d_model: int) -> tuple[str, str]:

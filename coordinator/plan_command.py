@@ -28,7 +28,7 @@ from coordinator.placement import NoFit, PlacementError, place
 from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
 from coordinator.wire_choice import choose_links
-from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig
+from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig, forward_ladder
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches
 # reaches roughly 30-50 % of a 3090's peak, so 30 TFLOP/s is a modest, stated guess. Pass NNtflops to override.
@@ -150,7 +150,15 @@ def plan_report(
                 }
             )
     blocks = [(b.layer_start, b.layer_end, list(b.peer_ids)) for b in placement.blocks]
-    links = choose_links(blocks, dict(zip(names, specs, strict=True)), spec, tokens_hidden, wire_forward, wire_backward)
+    links = choose_links(
+        blocks,
+        dict(zip(names, specs, strict=True)),
+        spec,
+        tokens_hidden,
+        wire_forward,
+        wire_backward,
+        forward_ladder(arch.hidden),
+    )
     slow = placement.blocks[placement.bottleneck]
     slow_row = next(r for r in rows if r["peer"] == slow.peer_ids[0])
     tokens = settings.tokens
@@ -165,8 +173,8 @@ def plan_report(
         },
         "stages": rows,
         "boundary_bytes_per_token": {  # as planned: under auto, the ladder's smallest codec
-            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward)[0],
-            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward)[1],
+            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden)[0],
+            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden)[1],
         },
         "links": [asdict(x) for x in links],  # each link's codecs (coordinator/wire_choice.py)
         "layer_flops_per_micro_batch": flops,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import ModelSpec, PeerSpec
-from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER, HFConfig, ModelConfig, TrainConfig, planned_codec
+from swarm.config import AUTO_BACKWARD_LADDER, HFConfig, ModelConfig, TrainConfig, forward_ladder, planned_codec
 from swarm.dht.schema import PeerRecord
 
 # bytes per element on the wire, counting the fp16 scale of each 64-element block
@@ -84,10 +84,11 @@ def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:
         return mm.Arch.from_config({"model_type": "gpt2", **gpt2, "vocab_size": model.vocab_size})
 
 
-def wire_bytes(wire_forward: str, wire_backward: str) -> tuple[float, float]:
-    """Bytes per element the planner sizes each direction with (``auto``: its ladder's smallest codec)."""
+def wire_bytes(wire_forward: str, wire_backward: str, width: int) -> tuple[float, float]:
+    """Bytes per element the planner sizes each direction with (``auto``: its ladder's smallest codec, for a
+    model ``width`` wide)."""
     return (
-        CODEC_BYTES[planned_codec(wire_forward, AUTO_FORWARD_LADDER)],
+        CODEC_BYTES[planned_codec(wire_forward, forward_ladder(width))],
         GRADIENT_CODEC_BYTES[planned_codec(wire_backward, AUTO_BACKWARD_LADDER)],
     )
 
@@ -104,7 +105,7 @@ def hf_model_spec(arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_
     block keeps one micro-batch's activations, the others every one in flight)."""
     per_token = settings.tokens * arch.hidden
     n_b = arch.n_layers - 1
-    fwd, bwd = wire_bytes(wire_forward, wire_backward)
+    fwd, bwd = wire_bytes(wire_forward, wire_backward, arch.hidden)
     return ModelSpec(
         layer_cost=mm.layer_costs(arch, settings),
         layer_memory=mm.layer_memory(arch, settings),
@@ -124,7 +125,7 @@ def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = Non
     params = 12 * d * d  # attention (4 d^2) + MLP (8 d^2) per layer
     weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
     activations = tokens * d * ACTIVATION_TENSORS_PER_LAYER * 4 * train.in_flight_limit
-    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward)
+    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward, d)
     return ModelSpec.uniform(
         model.n_layers,
         layer_memory=float(weights + activations),

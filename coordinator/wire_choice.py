@@ -6,7 +6,9 @@ between stage ``i`` and ``i + 1``. The rule, per direction:
 
 * The **ladder** is ordered least lossy first (``swarm.config.AUTO_FORWARD_LADDER`` and
   ``AUTO_BACKWARD_LADDER``: bf16, int8, int4_rot), least per-message error first; plain int4, whose loss
-  cost at 300 steps exceeded 2% before gradients got fp32 scales, is not on them (docs/codecs.md).
+  cost at 300 steps exceeded 2% before gradients got fp32 scales, is not on them (docs/codecs.md). On a
+  model narrower than ``WIDE_FROM`` the activations' ladder ends at int8 (``forward_ladder``): 4-bit
+  activations cost more than 2% there.
 * The **budget** of a boundary is the pipeline's bottleneck time per micro-batch without that boundary's
   transfers: the slowest stage of the cost model with the boundary's bytes set to zero (the other
   boundaries carry what the planner sized them with). A link that sends one micro-batch within it does
@@ -90,6 +92,7 @@ def choose_links(
     elements: float,
     forward: str,
     backward: str,
+    forward_codecs: tuple[str, ...] = AUTO_FORWARD_LADDER,
 ) -> list[LinkChoice]:
     """Every link of ``stages`` (``(layer_start, layer_end, holders)`` in pipeline order) with its codecs.
 
@@ -111,7 +114,7 @@ def choose_links(
             sender = peers[s]
             fwd_bw = min(min(sender.upload, peers[r].download) for r in downs)  # one codec for every holder
             if forward == WIRE_AUTO:
-                fwd, fwd_why = pick_codec(AUTO_FORWARD_LADDER, elements, fwd_bw, budget)
+                fwd, fwd_why = pick_codec(forward_codecs, elements, fwd_bw, budget)
             else:
                 fwd, fwd_why = forward, "set by --wire-forward"
             for r in downs:

@@ -21,9 +21,18 @@ SCHEDULES = ("sync", "async")
 # +1.07% / -0.08% (two sets), int4_rot/int8 +0.25%, int8/int8 +1.11%, bf16/bf16 +2.15%, within each
 # other's spread; int4_rot is on both ladders (its gradients cost 6-8% before that fix). Plain int4
 # (6-8% before the fix, not re-measured) is on neither.
+# On models narrower than WIDE_FROM (gpt-small, width 128) 4-bit activations cost +2.4-3.2% (3 seeds), so
+# auto's activation ladder stops at int8 there; 4-bit gradients behind int8 activations stayed within 2%.
 WIRE_AUTO = "auto"
 AUTO_FORWARD_LADDER = ("bf16", "int8", "int4_rot")
 AUTO_BACKWARD_LADDER = ("bf16", "int8", "int4_rot")
+NARROW_FORWARD_LADDER = ("bf16", "int8")
+WIDE_FROM = 256  # d_model from which 4-bit activations stay within 2% of fp32 (docs/codecs.md)
+
+
+def forward_ladder(d_model: int) -> tuple[str, ...]:
+    """The activation codecs auto may pick for a model ``d_model`` wide, least lossy first."""
+    return AUTO_FORWARD_LADDER if d_model >= WIDE_FROM else NARROW_FORWARD_LADDER
 
 
 def planned_codec(choice: str, ladder: tuple[str, ...]) -> str:

@@ -8,9 +8,9 @@ import pytest
 
 from coordinator.cost_model import CostModel, ModelSpec, PeerSpec
 from coordinator.placement import place
-from coordinator.plan_inputs import CODEC_BYTES
+from coordinator.plan_inputs import CODEC_BYTES, GRADIENT_CODEC_BYTES, wire_bytes
 from coordinator.wire_choice import FITS, LINK_BOUND, bottleneck_without, choose_links, pick_codec
-from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER
+from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER, forward_ladder
 
 ELEMENTS = 4 * 128 * 256  # one gpt-medium micro-batch: 4 sequences x 128 tokens x width 256
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
@@ -130,3 +130,18 @@ def test_on_a_real_placement_every_adjacent_pair_gets_a_link() -> None:
     assert all(math.isfinite(x.forward_mbit_s) for x in links)
     assert {x.forward for x in links} <= set(AUTO_FORWARD_LADDER)
     assert {x.backward for x in links} <= set(AUTO_BACKWARD_LADDER)
+
+
+def test_a_narrow_model_never_sends_4_bit_activations() -> None:
+    """Below width 256 4-bit activations cost more than 2% (docs/codecs.md): auto's activation ladder ends
+    at int8 there, even on a link too slow for it; gradients keep int4_rot."""
+    assert forward_ladder(128) == ("bf16", "int8") and forward_ladder(256) == AUTO_FORWARD_LADDER
+    stages, peers = chain(peer("a", up_mbit=10.0, down_mbit=10.0), peer("b", up_mbit=10.0, down_mbit=10.0))
+    wide = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", forward_ladder(256))
+    narrow = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", forward_ladder(128))
+    assert (wide[0].forward, wide[0].forward_reason) == ("int4_rot", LINK_BOUND)
+    assert (narrow[0].forward, narrow[0].forward_reason) == ("int8", LINK_BOUND)
+    assert narrow[0].backward == wide[0].backward == "int4_rot"
+    # the planner sizes an auto boundary with the smallest codec auto may pick on that model
+    assert wire_bytes("auto", "auto", 128) == (CODEC_BYTES["int8"], GRADIENT_CODEC_BYTES["int4_rot"])
+    assert wire_bytes("auto", "auto", 4096) == (CODEC_BYTES["int4_rot"], GRADIENT_CODEC_BYTES["int4_rot"])
