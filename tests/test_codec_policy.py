@@ -114,12 +114,10 @@ def test_error_feedback_flag_reaches_every_peer(tmp_path: Path) -> None:
     assert summary["steps"] == 3 and summary["error_feedback_backward"] is True
 
 
-@pytest.mark.parametrize("error_feedback", [False, True])
-@pytest.mark.parametrize("codec", ["int8", "int4_rot"])
-def test_a_small_gradient_is_quantised_once(monkeypatch: pytest.MonkeyPatch, codec: str, error_feedback: bool) -> None:
-    """Gradients w.r.t. hidden states (~1e-7) need fp32 scales; finding that out with an fp16 pass first
-    quantised every gradient twice on the hot path."""
-    calls = []
+@pytest.fixture
+def passes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The scale dtype of every quantisation pass the codecs run, in order."""
+    calls: list[torch.dtype] = []
     real = quantize.quantize
 
     def counted(*args, **kwargs):
@@ -127,24 +125,24 @@ def test_a_small_gradient_is_quantised_once(monkeypatch: pytest.MonkeyPatch, cod
         return real(*args, **kwargs)
 
     monkeypatch.setattr(quantize, "quantize", counted)
+    return calls
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("codec", ["int8", "int4_rot"])
+def test_a_small_gradient_is_quantised_once(passes: list[torch.dtype], codec: str, error_feedback: bool) -> None:
+    """Gradients w.r.t. hidden states (~1e-7) need fp32 scales; finding that out with an fp16 pass first
+    quantised every gradient twice on the hot path."""
     policy = WirePolicy("fp32", codec, error_feedback=error_feedback)
     grad = torch.randn(2, 16, 64) * 1e-7
     packet = policy.gradients(pb.MicroBatch(id=3), grad, to="up")
-    assert calls == [torch.float32]
+    assert passes == [torch.float32]
     y = tensor_from_pb(packet.gradients.grad)
     assert float((y - grad).norm() / grad.norm()) < 0.2
 
 
-def test_a_link_whose_gradients_are_not_small_stops_trying_fp32_scales_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_link_whose_gradients_are_not_small_stops_trying_fp32_scales_first(passes: list[torch.dtype]) -> None:
     """A wrong guess costs the second pass once, not on every gradient: the link remembers the last one."""
-    calls = []
-    real = quantize.quantize
-
-    def counted(*args, **kwargs):
-        calls.append(args[4] if len(args) > 4 else kwargs.get("scale_dtype", torch.float16))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(quantize, "quantize", counted)
     policy = WirePolicy("fp32", "int8")
     large, small = torch.randn(2, 16, 64), torch.randn(2, 16, 64) * 1e-7
     for grad, expected in [
@@ -153,9 +151,9 @@ def test_a_link_whose_gradients_are_not_small_stops_trying_fp32_scales_first(mon
         (small, [torch.float16, torch.float32]),
         (small, [torch.float32]),
     ]:
-        calls.clear()
+        passes.clear()
         packet = policy.gradients(pb.MicroBatch(id=3), grad, to="up")
-        assert calls == expected
+        assert passes == expected
         assert packet.gradients.grad.scales == tensor_to_pb(grad, "int8", block_size=64, seed=3).scales
     policy.gradients(pb.MicroBatch(id=4), small, to="other")  # each link guesses on its own
     assert policy._small == {"up": True, "other": True}
