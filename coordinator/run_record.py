@@ -241,6 +241,7 @@ class RunRecord:
             "wire_forward": self.s.train.wire_forward,
             "wire_backward": self.s.train.wire_backward,
             "error_feedback_backward": self.s.train.error_feedback_backward,
+            "wire_zstd": self.s.train.wire_zstd,
             "final_val_loss": self.val_losses[-1][1] if self.val_losses else None,
             "replica_max_abs_diff": self.replica_disagreement(),
             "average_bytes": sum(x.stats.average_bytes for x in sessions),

@@ -89,11 +89,14 @@ def wire_policy(
     *,
     error_feedback: bool = False,
     backward_to: dict[str, str] | None = None,
+    zstd: bool = False,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
     per_link = dict(backward_to or {})
     if not poison:
-        return WirePolicy(forward=forward, backward=backward, error_feedback=error_feedback, backward_to=per_link)
+        return WirePolicy(
+            forward=forward, backward=backward, error_feedback=error_feedback, backward_to=per_link, zstd=zstd
+        )
     if poison not in POISON_MODES:
         raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
     return PoisonedPolicy(
@@ -101,6 +104,7 @@ def wire_policy(
         backward=backward,
         error_feedback=error_feedback,
         backward_to=per_link,
+        zstd=zstd,
         mode=poison,
         after=after,
         version=version,

@@ -95,6 +95,7 @@ class Stage:
             lambda: runner.version,
             error_feedback=self.train_cfg.error_feedback_backward,
             backward_to=codecs.backward_to,
+            zstd=self.train_cfg.wire_zstd,
         )
         self.sanity = LinkSanity(DAEMON_SETTINGS, hooks.quarantine)  # per-link norms; quarantines poisoners
         self.links = Links(set(view.downstreams))

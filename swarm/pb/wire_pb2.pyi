@@ -28,6 +28,11 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT4: _ClassVar[Codec]
     INT4_ROT: _ClassVar[Codec]
     RAW: _ClassVar[Codec]
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_NONE: _ClassVar[Compression]
+    ZSTD: _ClassVar[Compression]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -44,9 +49,11 @@ INT8: Codec
 INT4: Codec
 INT4_ROT: Codec
 RAW: Codec
+COMPRESSION_NONE: Compression
+ZSTD: Compression
 
 class Tensor(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed")
+    __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed", "compression")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +61,7 @@ class Tensor(_message.Message):
     SCALES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
@@ -61,7 +69,8 @@ class Tensor(_message.Message):
     scales: bytes
     block_size: int
     seed: int
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    compression: Compression
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("id", "step", "index", "weight_version", "eval")

@@ -33,6 +33,7 @@ class WirePolicy:
     forward: str = "fp32"
     backward: str = "fp32"
     error_feedback: bool = False  # on gradients sent with a lossy codec (``--error-feedback-backward``)
+    zstd: bool = False  # 4-bit payloads travel zstd-coded, losslessly (``--wire-zstd``, swarm/wire/entropy.py)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_elements: int = DEFAULT_MAX_ELEMENTS
     backward_to: dict[str, str] = field(default_factory=dict)  # upstream holder -> codec of gradients to it
@@ -47,7 +48,7 @@ class WirePolicy:
 
     def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
         if hidden.is_floating_point():
-            tensor = tensor_to_pb(hidden, self.forward, **self._options(self.forward, mb))
+            tensor = tensor_to_pb(hidden, self.forward, zstd=self.zstd, **self._options(self.forward, mb))
             self.sent[f"forward:{self.forward}"] += 1
         else:
             tensor = tensor_to_pb(hidden, "raw")
@@ -72,9 +73,9 @@ class WirePolicy:
                     enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, codec, **options)
                 except ValueError as e:
                     raise WireError(str(e)) from e
-                msg.grad.CopyFrom(encoded_to_pb(enc))
+                msg.grad.CopyFrom(encoded_to_pb(enc, zstd=self.zstd))
             else:
-                msg.grad.CopyFrom(tensor_to_pb(grad, codec, **options))
+                msg.grad.CopyFrom(tensor_to_pb(grad, codec, zstd=self.zstd, **options))
             if options:
                 self._small[to] = len(msg.grad.scales) == 4 * num_blocks(grad.numel(), self.block_size)
             self.sent[f"backward:{codec}"] += 1

@@ -15,7 +15,8 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import codecs
+from swarm.wire import codecs, entropy
+from swarm.wire.quantize import payload_nbytes
 
 MAX_FRAME_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
 DEFAULT_MAX_PACKET_BYTES = 512 << 20
@@ -62,25 +63,44 @@ def codec_from_pb(value: int) -> str:
         raise WireError(f"unknown codec id {value}") from None
 
 
-def tensor_to_pb(x: torch.Tensor, codec: str, **codec_options: object) -> pb.Tensor:
-    """Encode ``x`` with ``codec`` into a wire Tensor."""
+def tensor_to_pb(x: torch.Tensor, codec: str, *, zstd: bool = False, **codec_options: object) -> pb.Tensor:
+    """Encode ``x`` with ``codec`` into a wire Tensor; ``zstd``: code 4-bit payloads losslessly on top."""
     try:
         enc = codecs.encode(x, codec, **codec_options)
     except codecs.CodecError as e:
         raise WireError(str(e)) from e
-    return encoded_to_pb(enc)
+    return encoded_to_pb(enc, zstd=zstd)
 
 
-def encoded_to_pb(enc: codecs.EncodedTensor) -> pb.Tensor:
+def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor:
+    coded = zstd and entropy.worth_coding(enc.codec)
     return pb.Tensor(
         shape=list(enc.shape),
         dtype=_DTYPE_TO_PB[enc.dtype],
         codec=codec_to_pb(enc.codec),
-        payload=enc.payload,
+        payload=entropy.compress(enc.payload) if coded else enc.payload,
         scales=enc.scales,
         block_size=enc.block_size,
         seed=enc.seed,
+        compression=pb.ZSTD if coded else pb.COMPRESSION_NONE,
     )
+
+
+def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> bytes:
+    """The codec's payload, decompressed when coded: bounded by the size the header implies."""
+    if msg.compression == pb.COMPRESSION_NONE:
+        return msg.payload
+    if msg.compression != pb.ZSTD:
+        raise WireError(f"unknown compression id {msg.compression}")
+    if not entropy.worth_coding(codec):
+        raise WireError(f"codec {codec} is never zstd-coded; only {', '.join(sorted(entropy.CODED))} are")
+    n = codecs.numel_of(shape)
+    if n > max_elements:
+        raise WireError(f"tensor of {n} elements exceeds the limit of {max_elements}")
+    try:
+        return entropy.decompress(msg.payload, payload_nbytes(n, 4))
+    except entropy.EntropyError as e:
+        raise WireError(str(e)) from e
 
 
 def tensor_from_pb(
@@ -104,11 +124,12 @@ def tensor_from_pb(
         raise WireError(f"shape {list(shape)} does not match the expected {list(expect_shape)}")
     if expect_dtype is not None and dtype != expect_dtype:
         raise WireError(f"dtype {dtype} does not match the expected {expect_dtype}")
+    codec = codec_from_pb(msg.codec)
     enc = codecs.EncodedTensor(
-        codec=codec_from_pb(msg.codec),
+        codec=codec,
         shape=shape,
         dtype=dtype,
-        payload=msg.payload,
+        payload=_payload(msg, codec, shape, max_elements),
         scales=msg.scales,
         block_size=msg.block_size,
         seed=msg.seed,
