@@ -38,10 +38,12 @@ CAPS: dict[str, tuple[str, ...]] = {
 RAVN_SYNC = ("--schedule", "sync")
 RAVN_ASYNC = ("--schedule", "async", "--max-staleness", "1")
 RAVN_FP32 = ("--wire-forward", "fp32", "--wire-backward", "fp32")
-RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8")  # the defaults until 2026-12-02
+RAVN_PLAIN = ("--wire-zstd", "off")  # 4-bit codes as the codec makes them, as every row before zstd coding
+RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8", *RAVN_PLAIN)  # the defaults until 2026-12-02
 RAVN_INT8 = ("--wire-forward", "int8", "--wire-backward", "int8")  # the defaults on 2026-12-01
 RAVN_BF16 = ("--wire-forward", "bf16", "--wire-backward", "bf16")
-RAVN_INT4 = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot")  # the defaults (docs/codecs.md)
+RAVN_INT4 = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", *RAVN_PLAIN)  # docs/codecs.md
+RAVN_INT4_ZSTD = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", "--wire-zstd", "on")  # the defaults
 RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync fp32": RAVN_SYNC + RAVN_FP32,
     "async fp32": RAVN_ASYNC + RAVN_FP32,
@@ -50,6 +52,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync int8/int8": RAVN_SYNC + RAVN_INT8,
     "sync bf16/bf16": RAVN_SYNC + RAVN_BF16,
     "sync int4_rot/int4_rot": RAVN_SYNC + RAVN_INT4,
+    "sync int4_rot/int4_rot+zstd": RAVN_SYNC + RAVN_INT4_ZSTD,
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
 }
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 # 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan; 4: HFConfig.quant;
 # 5: the plan names each link's codecs (Plan.links) and TrainConfig can leave them to it (wire_*_auto)
 # 6: a stale backward uses the weights its forward saw (no weight_stashing flag, no recompute)
-PROTOCOL_VERSION = 6
+# 7: 4-bit payloads may travel zstd-coded (Tensor.compression, TrainConfig.wire_zstd)
+PROTOCOL_VERSION = 7
 SCHEDULES = ("sync", "async")
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,

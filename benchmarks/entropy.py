@@ -1,0 +1,101 @@
+"""How much zstd takes off each codec's payload on real boundary tensors, and what it costs on one core.
+
+Why real tensors: how far quantised codes are from uniform depends on what training does to the
+activations (a few channels grow large, blocks become peaked), which random tensors do not show. The
+benchmark trains gpt-medium unsplit in this process (AdamW, the swarm's recipe, one batch of 32 x 128 per
+step) and, at the steps asked for, keeps the output of layers 1 and 3 (the boundaries of a 3-peer split)
+and the gradient of the loss w.r.t. them, for one micro-batch of 4 x 128 as the wire carries it. Each is
+encoded with each codec (gradients with the fp32-scale hint, as a stage sends them) and its payload
+zstd-compressed (the scales travel raw, as on the wire); the table gives payload + scales coded over
+plain, and the single-core speeds (median of ``--repeats``, MB/s of plain payload).
+
+Run: ``PYTHONPATH=. python -m benchmarks.entropy`` (alone on the machine for the speeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import zstandard
+
+from swarm.config import MODEL_PRESETS
+from swarm.train.data import Corpus
+from swarm.train.model import full_model
+from swarm.wire.codecs import encode
+
+BOUNDARIES = (1, 3)  # the outputs of a 3-peer split of 6 layers
+
+
+def capture(steps: list[int], *, seed: int = 0) -> dict[tuple[int, int, str], torch.Tensor]:
+    torch.manual_seed(seed)
+    cfg = MODEL_PRESETS["gpt-medium"]
+    model = full_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    corpus = Corpus.load()
+    kept: dict[tuple[int, int, str], torch.Tensor] = {}
+    for step in range(max(steps) + 1):
+        outs: dict[int, torch.Tensor] = {}
+        hooks = []
+        if step in steps:
+            for i in BOUNDARIES:
+
+                def keep(_m, _inp, out, i=i, outs=outs):
+                    out.retain_grad()
+                    outs[i] = out
+
+                hooks.append(model.layers[str(i)].register_forward_hook(keep))
+        x, y = corpus.batch(split="train", seed=seed, step=step, index=0, batch_size=32, context=cfg.context)
+        loss = model.loss_sum(model(x), y) / y.numel()
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        for i, out in outs.items():
+            kept[(step, i, "activations")] = out[:4].detach().clone()
+            kept[(step, i, "gradients")] = out.grad[:4].detach().clone()
+        opt.step()
+        opt.zero_grad()
+        if step % 50 == 0:
+            print(f"step {step}: loss {loss.item():.3f}", flush=True)
+    return kept
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, nargs="+", default=[0, 300], help="training steps at which to capture")
+    p.add_argument("--codecs", nargs="+", default=["bf16", "int8", "int4_rot"])
+    p.add_argument("--level", type=int, default=1, help="zstd level (swarm/wire/entropy.py uses 1)")
+    p.add_argument("--repeats", type=int, default=21)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    tensors = capture(sorted(set(args.steps)))
+    comp, dec = zstandard.ZstdCompressor(level=args.level, write_content_size=True), zstandard.ZstdDecompressor()
+    print(f"\nzstd level {args.level}, one core; payload + scales coded/plain; MB/s of plain payload, median")
+    print("| step | boundary | tensor | codec | plain B/value | coded / plain | compress MB/s | decompress MB/s |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|")
+    for (step, i, kind), x in sorted(tensors.items()):
+        for codec in args.codecs:
+            enc = encode(x, codec, small=kind == "gradients")
+            raw, plain = enc.payload, len(enc.payload) + len(enc.scales)
+            z = comp.compress(raw)
+            c = _median_seconds(lambda raw=raw: comp.compress(raw), args.repeats)
+            d = _median_seconds(lambda z=z: dec.decompress(z), args.repeats)
+            print(
+                f"| {step} | {i} | {kind} | {codec} | {plain / x.numel():.3f} "
+                f"| {(len(z) + len(enc.scales)) / plain:.3f} | {len(raw) / c / 1e6:,.0f} | {len(raw) / d / 1e6:,.0f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
