@@ -52,7 +52,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync int8/int8": RAVN_SYNC + RAVN_INT8,
     "sync bf16/bf16": RAVN_SYNC + RAVN_BF16,
     "sync int4_rot/int4_rot": RAVN_SYNC + RAVN_INT4,
-    "sync int4_rot/int4_rot+zstd": RAVN_SYNC + RAVN_INT4_ZSTD,
+    "sync int4_rot/int4_rot zstd": RAVN_SYNC + RAVN_INT4_ZSTD,
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
 }
 
