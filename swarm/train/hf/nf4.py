@@ -67,7 +67,7 @@ def padded_cols(cols: int) -> int:
     return -(-cols // BLOCK) * BLOCK
 
 
-def quantize_nf4(weight: torch.Tensor, *, chunk_elements: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_nf4(weight: torch.Tensor, *, chunk_elements: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, absmax)`` of a 2-D float matrix: ``(rows, padded/2)`` uint8 and ``(rows, padded/64)`` fp32.
 
     ``padded`` is the column count rounded up to a multiple of 64. Works through the rows in chunks of
@@ -95,7 +95,7 @@ def quantize_nf4(weight: torch.Tensor, *, chunk_elements: int = 1 << 20) -> tupl
         if not bool(torch.isfinite(amax).all()):
             raise ValueError("NF4 cannot quantise a matrix with inf or nan values")
         blocks.div_(torch.where(amax > 0, amax, torch.ones_like(amax))[..., None])
-        idx = torch.bucketize(w, midpoints).to(torch.uint8)
+        idx = torch.bucketize(w, midpoints, out_int32=True).to(torch.uint8)
         packed[i : i + n] = (idx[:, 0::2] << 4) | idx[:, 1::2]
         absmax[i : i + n] = amax
     return packed, absmax

@@ -20,7 +20,7 @@ from swarm.train.hf.nf4 import NF4Embedding, NF4Linear
 INT8_MAX = 127.0
 
 
-def quantize_absmax(weight: torch.Tensor, *, chunk_elements: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_absmax(weight: torch.Tensor, *, chunk_elements: int = 1 << 18) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8: ``weight[i] ≈ q[i] * scale[i]``; rows of zeros get scale 1 (exact).
 
     Works through the rows in chunks so that quantising a 32k x 4k embedding needs a few MB of fp32
