@@ -279,8 +279,9 @@ def _train_params(
     wire_zstd: Annotated[
         str,
         typer.Option(
-            help="'on': 4-bit codes (int4, int4_rot) travel zstd-coded, losslessly: 13-37% fewer bytes for "
-            "~0.2 ms per micro-batch tensor (docs/codecs.md); 'off': as the codec makes them.",
+            help="'on': 4-bit codes (int4, int4_rot) travel zstd-coded, losslessly: on gpt-medium 348-375 instead "
+            "of 570 bytes per token, for ~0.2 ms per micro-batch tensor (docs/codecs.md); 'off': as the codec "
+            "makes them.",
             callback=lambda v: _check_choice(v, ON_OFF, "setting"),
         ),
     ] = "on",

@@ -2,11 +2,11 @@
 
 Quantised codes are not uniform: after the rotation most values of a block sit in the middle levels, so a
 byte of two 4-bit codes carries fewer than 8 bits of information. On gpt-medium's boundary tensors
-(4 x 128 x 256, after 300 steps of training) zstd at level 1 made int4_rot activations 29-37% and int4_rot
-gradients 13-16% smaller, at 150-600 MB/s to compress and ~1 GB/s to decompress on one core: a tensor of
-70 KB costs ~0.2 ms, against 56 ms on a 10 Mbit/s link (docs/codecs.md, "Entropy coding"). int8 codes
-shrank by 4-6% and bf16 by 19-22%; those codecs go on fast links (auto's ladder starts with bf16 on a LAN),
-where the time to compress would not be won back, so only 4-bit codes are coded.
+(4 x 128 x 256, after 300 steps of training) zstd at level 1 made int4_rot activations 29-34% and int4_rot
+gradients 13-16% smaller (70% at step 50, 11% at init), at 350-1,000 MB/s to compress and ~1 GB/s to
+decompress on one core: a tensor of 70 KB costs ~0.2 ms, against 56 ms on a 10 Mbit/s link (docs/codecs.md,
+"Entropy coding"). int8 codes shrank by 3-5% and bf16 by 19-22%; bf16 is what auto's ladder sends on fast
+links, where the time to compress would not be won back, so only 4-bit codes are coded.
 
 The receiver never trusts the frame: its declared content size must equal the exact payload size the
 header implies (known before anything is allocated), and nothing may follow the frame.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zstandard
 
-LEVEL = 1  # level 3 compressed 1-4 points more at half the speed: not worth it at home-link speeds
+LEVEL = 1  # level 3 took 1-3 points more off int4_rot activations, more slowly (one exploratory run)
 CODED = frozenset({"int4", "int4_rot"})  # codecs whose payloads are zstd-coded when the run allows it
 _compressor = zstandard.ZstdCompressor(level=LEVEL, write_content_size=True)
 
