@@ -98,7 +98,7 @@ def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: i
     if n > max_elements:
         raise WireError(f"tensor of {n} elements exceeds the limit of {max_elements}")
     try:
-        return entropy.decompress(msg.payload, payload_nbytes(n, 4))
+        return entropy.decompress(msg.payload, payload_nbytes(n, 4))  # every coded codec is 4-bit
     except entropy.EntropyError as e:
         raise WireError(str(e)) from e
 
