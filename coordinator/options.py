@@ -27,7 +27,9 @@ from swarm.config import (
     TrainConfig,
 )
 
-WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
+WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot")
+AVERAGE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")  # replica averaging sends nothing zstd-coded
+NEEDS_ZSTD = frozenset({"int3_rot"})  # as plain bytes as large as int4_rot's, and coarser
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
 # The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width, the pair
 # with the fewest bytes whose validation loss stays within 2% of fp32 (3 seeds x 300 steps, docs/codecs.md,
@@ -153,6 +155,9 @@ class RunOptions:
 
     def train_config(self) -> TrainConfig:
         wire_forward, wire_backward = self.wire()
+        for codec in {wire_forward, wire_backward} & NEEDS_ZSTD:
+            if not self.wire_zstd:
+                config_error(f"codec {codec} pays only zstd-coded (plain, it is int4_rot's size); drop --wire-zstd off")
         return TrainConfig(
             steps=self.steps,
             micro_batches=self.micro_batches,
@@ -279,9 +284,9 @@ def _train_params(
     wire_zstd: Annotated[
         str,
         typer.Option(
-            help="'on': 4-bit codes (int4, int4_rot) travel zstd-coded, losslessly: on gpt-medium 348-375 instead "
-            "of 570 bytes per token, for ~0.2 ms per micro-batch tensor (docs/codecs.md); 'off': as the codec "
-            "makes them.",
+            help="'on': 4-bit codes (int4, int4_rot, int3_rot) travel zstd-coded, losslessly: on gpt-medium "
+            "348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms per micro-batch tensor "
+            "(docs/codecs.md); 'off': as the codec makes them (int3_rot needs 'on').",
             callback=lambda v: _check_choice(v, ON_OFF, "setting"),
         ),
     ] = "on",
@@ -383,8 +388,8 @@ def _train_params(
     average_codec: Annotated[
         str,
         typer.Option(
-            help=f"Codec of the averaged parameter changes: {', '.join(WIRE_CODECS)}.",
-            callback=lambda v: _check_choice(v, WIRE_CODECS, "codec"),
+            help=f"Codec of the averaged parameter changes: {', '.join(AVERAGE_CODECS)}.",
+            callback=lambda v: _check_choice(v, AVERAGE_CODECS, "codec"),
         ),
     ] = "int8",
     outer_lr: Annotated[

@@ -27,9 +27,11 @@ CODEC_BYTES = {
     "int8": 1 + 2 / 64,
     "int4": 0.5 + 2 / 64,
     "int4_rot": 0.5 + 2 / 64,
+    "int3_rot": 0.5 + 2 / 64,  # plain; zstd takes ~40% off its codes (docs/codecs.md), which is not planned on
 }
 # gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py)
-GRADIENT_CODEC_BYTES = {c: b + (2 / 64 if c in ("int8", "int4", "int4_rot") else 0.0) for c, b in CODEC_BYTES.items()}
+SCALED_CODECS = ("int8", "int4", "int4_rot", "int3_rot")
+GRADIENT_CODEC_BYTES = {c: b + (2 / 64 if c in SCALED_CODECS else 0.0) for c, b in CODEC_BYTES.items()}
 ACTIVATION_TENSORS_PER_LAYER = 16  # saved tensors of one pre-norm block per token and channel, roughly
 MIN_SPEED = 1e-3
 MIN_BANDWIDTH = 1e3

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 # 5: the plan names each link's codecs (Plan.links) and TrainConfig can leave them to it (wire_*_auto)
 # 6: a stale backward uses the weights its forward saw (no weight_stashing flag, no recompute)
 # 7: 4-bit payloads may travel zstd-coded (Tensor.compression, TrainConfig.wire_zstd)
-PROTOCOL_VERSION = 7
+# 8: codec INT3_ROT (a peer of 7 would refuse its packets mid-run instead of at Hello)
+PROTOCOL_VERSION = 8
 SCHEDULES = ("sync", "async")
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,

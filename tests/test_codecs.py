@@ -6,7 +6,7 @@ The bounds checked here are the ones stated in docs/codecs.md:
 * int8 / int4: per element ``|x - x'| <= s_b / 2`` with ``s_b`` the block's scale, and
   ``s_b <= absmax_b / L * (1 + 2**-9) + 2**-24`` (``L`` = 127 or 7; the 2**-24 is fp16's subnormal step,
   and a tensor whose scales are all below 2**-10 gets fp32 scales, so small tensors keep their precision);
-* int4_rot: per full block ``||x_b - x'_b||_2 <= sqrt(B) * s_b / 2`` (the rotation is orthonormal);
+* int4_rot, int3_rot: per full block ``||x_b - x'_b||_2 <= sqrt(B) * s_b / 2`` (the rotation is orthonormal);
   the trailing partial block is plain int4.
 
 plus float32 arithmetic slack and, for fp16/bf16 tensors, the final rounding to that dtype.
@@ -34,7 +34,9 @@ from swarm.wire.error_feedback import ErrorFeedback
 from swarm.wire.sanity import SanitySettings
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-LEVELS = {"int8": 127, "int4": 7, "int4_rot": 7}
+LEVELS = {"int8": 127, "int4": 7, "int4_rot": 7, "int3_rot": 3}
+ROTATED = ("int4_rot", "int3_rot")
+QUANT = ("int8", "int4", "int4_rot", "int3_rot")
 OUT_EPS = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ARITH = 1e-4  # float32 slack, relative to the scale (x * (1/s) is rounded before it is rounded to int)
@@ -80,13 +82,13 @@ def assert_within_bound(x: torch.Tensor, enc: EncodedTensor, y: torch.Tensor) ->
     parts = [xb.abs().amax(1)] if xb.numel() else []
     absmax = torch.cat(parts + ([xt.abs().amax(0, keepdim=True)] if xt.numel() else []) + [torch.empty(0)])
     # The scale is at or above absmax / L (never clipped) and at most one fp16 step above it.
-    if codec != "int4_rot":
+    if codec not in ROTATED:
         assert bool((s * levels >= absmax * (1 - 1e-6)).all())
         assert bool((s <= absmax / levels * (1 + 2.0**-9) + 2.0**-24 * (1 + 2.0**-9)).all())
     eps = OUT_EPS[x.dtype]
     tiny = 2.0**-24 if x.dtype == torch.float16 else 1e-30
     nfull = xb.shape[0]
-    if codec == "int4_rot" and nfull:
+    if codec in ROTATED and nfull:
         err = (xb - yb).norm(dim=1)
         bound = math.sqrt(bs) * s[:nfull] / 2 * (1 + ARITH) + yb.norm(dim=1) * eps + math.sqrt(bs) * tiny
         assert bool((err <= bound).all()), float((err - bound).max())
@@ -113,7 +115,7 @@ values = st.tuples(
 
 @st.composite
 def quant_params(draw: st.DrawFn) -> tuple[str, int]:
-    codec = draw(st.sampled_from(["int8", "int4", "int4_rot"]))
+    codec = draw(st.sampled_from(QUANT))
     if codec == "int8":
         return codec, draw(st.integers(1, 300))
     if codec == "int4":
@@ -155,13 +157,13 @@ def test_quantised_round_trip_within_bound(shape, vals, dtype, params, seed):
     if nblocks and len(enc.scales) == 4 * nblocks:  # fp32 scales only where fp16 ones would be too small or too large
         top = float(block_scales(enc).max())
         assert top < quantize.FP16_SCALE_MIN or top > 65504, top
-    assert (enc.block_size, enc.seed) == (bs, seed if codec == "int4_rot" else 0)
+    assert (enc.block_size, enc.seed) == (bs, seed if codec in ROTATED else 0)
     y = decode(enc)
     assert y.shape == x.shape and y.dtype == x.dtype
     assert_within_bound(x, enc, y)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
+@pytest.mark.parametrize("codec", QUANT)
 def test_chunked_cpu_path_matches_single_pass(monkeypatch, codec):
     """The CPU loop over chunks (and a GPU-style single chunk) must give identical bytes and values."""
     x = make_tensor((37, 96), 3, 1.0, "heavy", torch.float32)
@@ -198,7 +200,7 @@ def test_encoding_is_deterministic_and_seed_dependent():
 
 def test_edge_values():
     for x in (torch.zeros(130), torch.full((5,), -3.0), torch.tensor(2.5), torch.tensor([0.0, 1e-30, -1e-30])):
-        for codec in ("int8", "int4", "int4_rot"):
+        for codec in QUANT:
             enc = encode(x, codec)
             y = decode(enc)
             assert y.shape == x.shape
@@ -208,7 +210,7 @@ def test_edge_values():
     assert_within_bound(big, encode(big, "int8"), decode(encode(big, "int8")))
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
+@pytest.mark.parametrize("codec", QUANT)
 @pytest.mark.parametrize("magnitude", [1e-7, 1e-5, 1e-3])
 def test_small_tensors_keep_their_relative_precision(codec, magnitude):
     """Gradients w.r.t. hidden states are ~1e-7 (the loss is a mean over thousands of tokens): fp16 scales
@@ -223,13 +225,13 @@ def test_small_tensors_keep_their_relative_precision(codec, magnitude):
     assert errors[1] < 1.05 * errors[0], errors
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
+@pytest.mark.parametrize("codec", QUANT)
 def test_the_small_hint_never_changes_the_bytes(codec):
     """``small=True`` (gradients) quantises with fp32 scales first, to skip the fp16 pass that only finds
     the tensor too small; the bytes must be what the rule without the hint chooses, also at the line
     between fp16 and fp32 scales (2**-10 times L), below and above it, and for odd lengths."""
     torch.manual_seed(0)
-    levels = {"int8": 127, "int4": 7, "int4_rot": 7}[codec]
+    levels = LEVELS[codec]
     line = quantize.FP16_SCALE_MIN * levels  # absmax where the largest scale crosses 2**-10
     for n in (64, 1000, 4096 + 37):
         base = torch.randn(n)
@@ -272,7 +274,7 @@ def test_non_contiguous_grad_and_device_arguments():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot", "fp16"])
+@pytest.mark.parametrize("codec", [*QUANT, "fp16"])
 def test_cuda_round_trip_matches_cpu(codec):
     x = make_tensor((300, 64), 5, 1.0, "heavy", torch.float32)
     enc_cpu = encode(x, codec)
@@ -343,7 +345,7 @@ def replace(enc: EncodedTensor, **changes: object) -> EncodedTensor:
     return EncodedTensor(**fields)
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp16", "bf16", "int8", "int4", "int4_rot"])
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "bf16", *QUANT])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_input_refused(codec, bad):
     for n, dtype in (
@@ -389,7 +391,7 @@ def test_every_codec_encodes_what_sanity_admits(codec, kind):
         assert float((y - x).abs().max()) <= top * OUT_EPS[_STORAGE[codec]]
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
+@pytest.mark.parametrize("codec", QUANT)
 def test_wrong_payload_or_scales_length_refused(codec):
     enc = good(codec)
     for payload in (enc.payload[:-1], enc.payload + b"\0", b""):
@@ -429,7 +431,7 @@ def test_huge_claimed_shape_refused_before_allocation():
 
 @pytest.mark.parametrize("bad", [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc", b"\x00\xbc"])  # NaN, +Inf, -Inf, -1.0
 def test_bad_scales_refused(bad):
-    for codec in ("int8", "int4", "int4_rot"):
+    for codec in QUANT:
         enc = good(codec)
         with pytest.raises(CodecError, match="scale"):
             decode(replace(enc, scales=enc.scales[:-2] + bad))
@@ -500,7 +502,7 @@ def gradient_stream(steps: int, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
+@pytest.mark.parametrize("codec", QUANT)
 def test_error_feedback_keeps_running_sum_on_track(codec):
     xs = gradient_stream(150)
     ef = ErrorFeedback()

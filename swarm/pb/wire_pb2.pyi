@@ -28,6 +28,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT4: _ClassVar[Codec]
     INT4_ROT: _ClassVar[Codec]
     RAW: _ClassVar[Codec]
+    INT3_ROT: _ClassVar[Codec]
 
 class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,6 +50,7 @@ INT8: Codec
 INT4: Codec
 INT4_ROT: Codec
 RAW: Codec
+INT3_ROT: Codec
 COMPRESSION_NONE: Compression
 ZSTD: Compression
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire.codecs import DEFAULT_BLOCK_SIZE
+from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, QUANT_CODECS
 from swarm.wire.error_feedback import ErrorFeedback
 from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
 from swarm.wire.quantize import num_blocks
 
-LOSSY = {"int8", "int4", "int4_rot"}
+LOSSY = frozenset(QUANT_CODECS)
 
 
 @dataclass

@@ -40,6 +40,7 @@ _CODEC_TO_PB = {
     "int8": pb.INT8,
     "int4": pb.INT4,
     "int4_rot": pb.INT4_ROT,
+    "int3_rot": pb.INT3_ROT,
     "raw": pb.RAW,
 }
 _PB_TO_CODEC = {v: k for k, v in _CODEC_TO_PB.items()}

@@ -106,20 +106,22 @@ def quantize(
     rotation: BlockRotation | None = None,
     scale_dtype: torch.dtype = torch.float16,
     payload: torch.Tensor | None = None,
+    levels: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a flat contiguous float tensor; returns ``(payload, scales)`` on its device.
 
     ``payload`` is int8 (``bits=8``) or packed uint8 (``bits=4``); ``scales`` is ``scale_dtype`` (fp16,
     or fp32 for values beyond fp16 scales), one per block. A ``payload`` passed in (of that dtype and
     :func:`payload_nbytes` elements, e.g. the memory of the ``bytes`` that will travel) is filled instead
-    of a new one.
+    of a new one. ``levels`` is the largest code, ``LEVELS[bits]`` unless fewer are asked for (``int3_rot``
+    packs codes in -3..3 as int4 does).
     Non-finite input is not refused here: it shows up as non-finite scales, which the caller checks.
     """
     n = flat.numel()
     device = flat.device
     full = n // block_size
     tail = n - full * block_size
-    levels = LEVELS[bits]
+    levels = LEVELS[bits] if levels is None else levels
     scales = torch.empty(full + (1 if tail else 0), dtype=scale_dtype, device=device)
     if payload is None:
         payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
