@@ -7,7 +7,8 @@ step) and, at the steps asked for, keeps the output of layers 1 and 3 (the bound
 and the gradient of the loss w.r.t. them, for one micro-batch of 4 x 128 as the wire carries it. Each is
 encoded with each codec (gradients with the fp32-scale hint, as a stage sends them) and its payload
 zstd-compressed (the scales travel raw, as on the wire); the table gives payload + scales coded over
-plain, and the single-core speeds (median of ``--repeats``, MB/s of plain payload).
+plain, the relative error ``||decode - x|| / ||x||``, the coded bytes per token (one token is one row of
+``d_model`` values) and the single-core speeds (median of ``--repeats``, MB/s of plain payload).
 
 Run: ``PYTHONPATH=. python -m benchmarks.entropy`` (alone on the machine for the speeds).
 """
@@ -24,7 +25,7 @@ import zstandard
 from swarm.config import MODEL_PRESETS
 from swarm.train.data import Corpus
 from swarm.train.model import full_model
-from swarm.wire.codecs import encode
+from swarm.wire.codecs import decode, encode
 
 BOUNDARIES = (1, 3)  # the outputs of a 3-peer split of 6 layers
 
@@ -74,7 +75,7 @@ def _median_seconds(fn, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, nargs="+", default=[0, 300], help="training steps at which to capture")
-    p.add_argument("--codecs", nargs="+", default=["bf16", "int8", "int4_rot"])
+    p.add_argument("--codecs", nargs="+", default=["bf16", "int8", "int4_rot", "int3_rot"])
     p.add_argument("--level", type=int, default=1, help="zstd level (swarm/wire/entropy.py uses 1)")
     p.add_argument("--repeats", type=int, default=21)
     args = p.parse_args(argv)
@@ -82,18 +83,24 @@ def main(argv: list[str] | None = None) -> None:
     tensors = capture(sorted(set(args.steps)))
     comp, dec = zstandard.ZstdCompressor(level=args.level, write_content_size=True), zstandard.ZstdDecompressor()
     print(f"\nzstd level {args.level}, one core; payload + scales coded/plain; MB/s of plain payload, median")
-    print("| step | boundary | tensor | codec | plain B/value | coded / plain | compress MB/s | decompress MB/s |")
-    print("|---:|---:|---|---|---:|---:|---:|---:|")
+    print(
+        "| step | boundary | tensor | codec | rel. error | plain B/value | coded / plain | coded B/token "
+        "| compress MB/s | decompress MB/s |"
+    )
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for (step, i, kind), x in sorted(tensors.items()):
         for codec in args.codecs:
             enc = encode(x, codec, small=kind == "gradients")
             raw, plain = enc.payload, len(enc.payload) + len(enc.scales)
+            err = float((decode(enc) - x).norm() / x.norm())
             z = comp.compress(raw)
+            per_token = (len(z) + len(enc.scales)) / (x.numel() // x.shape[-1])
             c = _median_seconds(lambda raw=raw: comp.compress(raw), args.repeats)
             d = _median_seconds(lambda z=z: dec.decompress(z), args.repeats)
             print(
-                f"| {step} | {i} | {kind} | {codec} | {plain / x.numel():.3f} "
-                f"| {(len(z) + len(enc.scales)) / plain:.3f} | {len(raw) / c / 1e6:,.0f} | {len(raw) / d / 1e6:,.0f} |"
+                f"| {step} | {i} | {kind} | {codec} | {err:.4f} | {plain / x.numel():.3f} "
+                f"| {(len(z) + len(enc.scales)) / plain:.3f} | {per_token:.1f} "
+                f"| {len(raw) / c / 1e6:,.0f} | {len(raw) / d / 1e6:,.0f} |"
             )
 
 

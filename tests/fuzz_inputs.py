@@ -160,7 +160,7 @@ U32 = st.one_of(
 DIM = st.one_of(
     st.sampled_from([0, 1, 2, 16, 64, 65, 1 << 20, 1 << 31, 2**63 - 1, -1, -(2**63)]), st.integers(-(2**63), 2**63 - 1)
 )
-ENUM = st.one_of(st.integers(0, 8), st.integers(-(2**31), 2**31 - 1))
+ENUM = st.one_of(st.integers(0, 9), st.integers(-(2**31), 2**31 - 1))
 CODECS = {
     "fp32": (pb.FP32, 4),
     "fp16": (pb.FP16, 2),
@@ -169,6 +169,7 @@ CODECS = {
     "int8": (pb.INT8, 1),
     "int4": (pb.INT4, 0.5),
     "int4_rot": (pb.INT4_ROT, 0.5),
+    "int3_rot": (pb.INT3_ROT, 0.5),
 }
 RAW_ITEMSIZE = {pb.INT64: 8, pb.INT32: 4, pb.INT16: 2, pb.UINT8: 1, pb.FLOAT32: 4}
 
@@ -225,7 +226,7 @@ def consistent_tensor(draw) -> pb.Tensor:
         payload=_payload(draw, nbytes),
         scales=scales,
         block_size=block,
-        seed=draw(U64) if name == "int4_rot" else 0,
+        seed=draw(U64) if name in ("int4_rot", "int3_rot") else 0,
     )
 
 

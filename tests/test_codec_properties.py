@@ -26,7 +26,7 @@ from tests.test_codecs import assert_within_bound
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-QUANT = ("int8", "int4", "int4_rot")
+QUANT = ("int8", "int4", "int4_rot", "int3_rot")
 STORAGE_EPS = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 OUT_EPS = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
@@ -108,7 +108,7 @@ def test_nan_or_negative_scales_refused(codec, value):
 
 
 @FAST
-@given(name=st.text(min_size=0, max_size=12).filter(lambda s: s not in CODEC_NAMES), pb_id=st.integers(8, 2**31 - 1))
+@given(name=st.text(min_size=0, max_size=12).filter(lambda s: s not in CODEC_NAMES), pb_id=st.integers(9, 2**31 - 1))
 def test_unknown_codec_names_and_ids_refused(name, pb_id):
     with pytest.raises(CodecError, match="unknown codec"):
         decode(dataclasses.replace(_valid("int8"), codec=name))

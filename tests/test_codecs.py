@@ -175,13 +175,15 @@ def test_chunked_cpu_path_matches_single_pass(monkeypatch, codec):
         assert torch.equal(decode(enc), decode(ref))
 
 
-def test_int4_rot_matches_reference_rotation():
-    """Decoding ``int4_rot`` is ``unrotate(q * s)``: check against the slow reference functions."""
+@pytest.mark.parametrize("codec", ROTATED)
+def test_rotated_codecs_match_reference_rotation(codec):
+    """Decoding ``int4_rot`` / ``int3_rot`` is ``unrotate(q * s)``: check against the slow reference functions."""
     bs, seed = 16, 12345
     x = make_tensor((8 * bs,), 0, 1.0, "heavy", torch.float32)
-    enc = encode(x, "int4_rot", block_size=bs, seed=seed)
+    enc = encode(x, codec, block_size=bs, seed=seed)
     packed = torch.frombuffer(bytearray(enc.payload), dtype=torch.uint8)
     q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1).float() - 8
+    assert int(q.abs().max()) == LEVELS[codec]  # every block's absmax lands on the top code, nothing beyond
     expected = hadamard.unrotate(q.view(-1, bs) * block_scales(enc)[:, None], seed).reshape(-1)
     torch.testing.assert_close(decode(enc), expected, rtol=1e-5, atol=1e-6)
     # and the quantised coefficients are those of the rotated input
@@ -459,6 +461,9 @@ def test_unknown_codec_refused():
         ("int4_rot", 48),
         ("int4_rot", 1),
         ("int4_rot", 2 * MAX_BLOCK_SIZE),
+        ("int3_rot", 0),
+        ("int3_rot", 48),
+        ("int3_rot", 2 * MAX_BLOCK_SIZE),
     ],
 )
 def test_bad_block_size_refused(codec, block_size):

@@ -1,5 +1,7 @@
 """zstd-coded 4-bit payloads: lossless, smaller, and a hostile frame is refused before it can grow."""
 
+import math
+import subprocess
 import tracemalloc
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from swarm.pb import wire_pb2 as pb
 from swarm.wire import entropy
 from swarm.wire.codec_policy import WirePolicy
 from swarm.wire.packets import WireError, tensor_from_pb, tensor_to_pb
-from tests.conftest import read_metrics, run_ravn_local
+from tests.conftest import ravn_cmd, read_metrics, run_ravn_local
 
 
 def activations(seed: int = 0) -> torch.Tensor:
@@ -28,7 +30,7 @@ def coded(x: torch.Tensor, codec: str = "int4_rot") -> pb.Tensor:
     return tensor_to_pb(x, codec, zstd=True, block_size=64, seed=7)
 
 
-@pytest.mark.parametrize("codec", ["int4", "int4_rot"])
+@pytest.mark.parametrize("codec", ["int4", "int4_rot", "int3_rot"])
 def test_coded_payloads_decode_to_exactly_the_same_tensor_and_are_smaller(codec: str) -> None:
     x = activations()
     plain, z = tensor_to_pb(x, codec, block_size=64, seed=7), coded(x, codec)
@@ -147,3 +149,39 @@ def test_a_swarm_trains_identically_with_and_without_zstd_and_sends_fewer_bytes(
     assert len(on_losses) == 4 and on_losses == off_losses
     assert on["wire_zstd"] is True and off["wire_zstd"] is False
     assert on["wire_bytes"] < 0.97 * off["wire_bytes"], (on["wire_bytes"], off["wire_bytes"])
+
+
+@pytest.mark.slow  # two whole swarms
+def test_a_swarm_trains_with_int3_rot_and_sends_fewer_bytes_than_with_int4_rot(tmp_path: Path) -> None:
+    """Real peers: int3_rot both ways trains (finite losses) and puts fewer bytes on the wire than int4_rot."""
+    bytes_per_token = {}
+    for codec in ("int4_rot", "int3_rot"):
+        run_ravn_local(
+            tmp_path,
+            codec,
+            *("--peers", "3", "--model", "gpt-tiny", "--steps", "4", "--eval-every", "0", "--eval-batches", "1"),
+            *("--wire-forward", codec, "--wire-backward", codec),
+        )
+        metrics = read_metrics(tmp_path / codec)
+        summary = next(m for m in metrics if m["kind"] == "summary")
+        losses = [m["loss"] for m in metrics if m["kind"] == "step"]
+        assert len(losses) == 4 and all(math.isfinite(v) for v in losses), losses
+        assert summary["wire_zstd"] is True
+        bytes_per_token[codec] = summary["wire_bytes"]
+    assert bytes_per_token["int3_rot"] < 0.9 * bytes_per_token["int4_rot"], bytes_per_token
+
+
+def test_int3_rot_without_zstd_is_a_one_line_error(tmp_path: Path) -> None:
+    """Plain, int3_rot is int4_rot's size at twice its error: refused before anything starts."""
+    for direction in ("--wire-forward", "--wire-backward"):
+        proc = subprocess.run(
+            ravn_cmd("local", "--runs-dir", str(tmp_path), direction, "int3_rot", "--wire-zstd", "off"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            "error: codec int3_rot pays only zstd-coded (plain, it is int4_rot's size); drop --wire-zstd off"
+        ]
+        assert not any(tmp_path.iterdir())  # no run started
