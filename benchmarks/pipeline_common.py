@@ -44,6 +44,7 @@ RAVN_INT8 = ("--wire-forward", "int8", "--wire-backward", "int8")  # the default
 RAVN_BF16 = ("--wire-forward", "bf16", "--wire-backward", "bf16")
 RAVN_INT4 = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", *RAVN_PLAIN)  # docs/codecs.md
 RAVN_INT4_ZSTD = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", "--wire-zstd", "on")  # the defaults
+RAVN_INT3_ZSTD = ("--wire-forward", "int3_rot", "--wire-backward", "int3_rot", "--wire-zstd", "on")  # docs/codecs.md
 RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync fp32": RAVN_SYNC + RAVN_FP32,
     "async fp32": RAVN_ASYNC + RAVN_FP32,
@@ -53,6 +54,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync bf16/bf16": RAVN_SYNC + RAVN_BF16,
     "sync int4_rot/int4_rot": RAVN_SYNC + RAVN_INT4,
     "sync int4_rot/int4_rot zstd": RAVN_SYNC + RAVN_INT4_ZSTD,
+    "sync int3_rot/int3_rot zstd": RAVN_SYNC + RAVN_INT3_ZSTD,
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
 }
 
