@@ -33,22 +33,31 @@ NEEDS_ZSTD = frozenset({"int3_rot"})  # as plain bytes as large as int4_rot's, a
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
 # The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width, the pair
 # with the fewest bytes whose validation loss stays within 2% of fp32 (3 seeds x 300 steps, docs/codecs.md,
-# "Which pair is the default"). At width 256 (gpt-medium) int4_rot/int4_rot: +1.07% and -0.08% in two
-# 3-seed sets at 7.3x fewer bytes, and at 10 Mbit/s 1.3x sooner to the target loss than int4_rot/int8. At
-# width 128 (gpt-small, ravn local's default model) 4-bit activations cost +2.4% (int4_rot/int8) and +3.2%
+# "Which pair is the default" and "int3_rot"). At width 256 (gpt-medium) int3_rot/int3_rot zstd-coded:
+# +0.48% at 21x fewer bytes than fp32, and the only pair to reach the time-to-target loss on all 3 seeds
+# (docs/BENCHMARKS.md, section 3); with --wire-zstd off it would be int4_rot's size, so there the default
+# stays int4_rot/int4_rot (+1.07%, -0.08% and -0.55% in three 3-seed sets, 7.3x plain). At width 128
+# (gpt-small, ravn local's default model) 4-bit activations cost +2.4% (int4_rot/int8) and +3.2%
 # (int4_rot/int4_rot), int8/int8 -0.49% with a flat last third (int8/int4_rot +0.41%, but its gap grew).
 # Wider models (every Hugging Face checkpoint) take the wide pair: measured at 256, not beyond.
-DEFAULT_WIRE_WIDE = ("int4_rot", "int4_rot")
+DEFAULT_WIRE_WIDE = ("int3_rot", "int3_rot")
+DEFAULT_WIRE_WIDE_PLAIN = ("int4_rot", "int4_rot")
 DEFAULT_WIRE_NARROW = ("int8", "int8")
 
 
-def default_wire(d_model: int) -> tuple[str, str]:
-    """(forward, backward) codecs of a run that names none, for a model ``d_model`` wide."""
-    return DEFAULT_WIRE_WIDE if d_model >= WIDE_FROM else DEFAULT_WIRE_NARROW
+def default_wire(d_model: int, zstd: bool = True) -> tuple[str, str]:
+    """(forward, backward) codecs of a run that names none, for a model ``d_model`` wide.
+
+    ``zstd``: whether the run codes 3- and 4-bit payloads (``--wire-zstd``); int3_rot pays only so.
+    """
+    if d_model < WIDE_FROM:
+        return DEFAULT_WIRE_NARROW
+    return DEFAULT_WIRE_WIDE if zstd else DEFAULT_WIRE_WIDE_PLAIN
 
 
 WIRE_DEFAULT_HELP = (
-    f"default: {DEFAULT_WIRE_WIDE[0]} for models {WIDE_FROM} or more wide, {DEFAULT_WIRE_NARROW[0]} for narrower ones"
+    f"default: {DEFAULT_WIRE_WIDE[0]} for models {WIDE_FROM} or more wide ({DEFAULT_WIRE_WIDE_PLAIN[0]} with "
+    f"--wire-zstd off), {DEFAULT_WIRE_NARROW[0]} for narrower ones"
 )
 ON_OFF = ("on", "off")
 
@@ -150,7 +159,7 @@ class RunOptions:
         """The run's (forward, backward) codecs: those given, else the default for the model's width."""
         if self.wire_forward is not None and self.wire_backward is not None:
             return self.wire_forward, self.wire_backward
-        fwd, bwd = default_wire(self.model_config().d_model)
+        fwd, bwd = default_wire(self.model_config().d_model, self.wire_zstd)
         return self.wire_forward or fwd, self.wire_backward or bwd
 
     def train_config(self) -> TrainConfig:
@@ -284,9 +293,10 @@ def _train_params(
     wire_zstd: Annotated[
         str,
         typer.Option(
-            help="'on': 4-bit codes (int4, int4_rot, int3_rot) travel zstd-coded, losslessly: on gpt-medium "
+            help="'on': 3- and 4-bit codes (int4, int4_rot, int3_rot) travel zstd-coded, losslessly: on gpt-medium "
             "348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms per micro-batch tensor "
-            "(docs/codecs.md); 'off': as the codec makes them (int3_rot needs 'on').",
+            "(docs/codecs.md); 'off': as the codec makes them (int3_rot needs 'on', so the default from width "
+            "256 is then int4_rot).",
             callback=lambda v: _check_choice(v, ON_OFF, "setting"),
         ),
     ] = "on",

@@ -124,7 +124,7 @@ class TrainConfig:
     wire_forward: str = "fp32"
     wire_backward: str = "fp32"
     error_feedback_backward: bool = False  # carry the lossy gradient codec's residual, per destination peer
-    wire_zstd: bool = True  # 4-bit codes travel zstd-coded: lossless, fewer bytes (swarm/wire/entropy.py)
+    wire_zstd: bool = True  # 3- and 4-bit codes travel zstd-coded: lossless, fewer bytes (swarm/wire/entropy.py)
     average_every: int = 10  # T: replicas of a block average their parameter change every T local steps
     average_codec: str = "int8"
     outer_lr: float = 1.0  # DiLoCo outer step on the averaged change; 1 with no momentum is plain averaging
