@@ -34,12 +34,13 @@ WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its mea
 # The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width, the pair
 # with the fewest bytes whose validation loss stays within 2% of fp32 (3 seeds x 300 steps, docs/codecs.md,
 # "Which pair is the default" and "int3_rot"). At width 256 (gpt-medium) int3_rot/int3_rot zstd-coded:
-# +0.48% at 21x fewer bytes than fp32, and the only pair to reach the time-to-target loss on all 3 seeds
-# (docs/BENCHMARKS.md, section 3); with --wire-zstd off it would be int4_rot's size, so there the default
-# stays int4_rot/int4_rot (+1.07%, -0.08% and -0.55% in three 3-seed sets, 7.3x plain). At width 128
-# (gpt-small, ravn local's default model) 4-bit activations cost +2.4% (int4_rot/int8) and +3.2%
-# (int4_rot/int4_rot), int8/int8 -0.49% with a flat last third (int8/int4_rot +0.41%, but its gap grew).
-# Wider models (every Hugging Face checkpoint) take the wide pair: measured at 256, not beyond.
+# +0.48% at 19.5x fewer bytes than fp32 (16.9x over the last third), the only pair to reach the
+# time-to-target loss on all 3 seeds (docs/BENCHMARKS.md, section 3). With --wire-zstd off int3_rot would
+# be int4_rot's size, so there the default stays int4_rot/int4_rot (+1.07%, -0.08% and -0.55% in three
+# 3-seed sets, 7.3x plain). At width 128 (gpt-small, ravn local's default model) 4-bit activations cost
+# +2.4% (int4_rot/int8) and +3.2% (int4_rot/int4_rot), int8/int8 -0.49% with a flat last third
+# (int8/int4_rot +0.41%, but its gap grew). Wider models (every Hugging Face checkpoint) take the wide
+# pair: measured at 256, not beyond.
 DEFAULT_WIRE_WIDE = ("int3_rot", "int3_rot")
 DEFAULT_WIRE_WIDE_PLAIN = ("int4_rot", "int4_rot")
 DEFAULT_WIRE_NARROW = ("int8", "int8")
