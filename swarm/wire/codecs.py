@@ -17,7 +17,7 @@ Codecs:
   outliers; only the seed travels;
 * ``int3_rot``: ``int4_rot``'s layout with 7 levels (-3..3) instead of 15: the same plain bytes, but
   codes of one bit less information, so it pays only zstd-coded (``swarm.wire.entropy``), where it
-  sends ~40% fewer bytes than ``int4_rot`` at about twice its error.
+  sends 30-47% fewer bytes than ``int4_rot`` at 2.3x its error (docs/codecs.md, "int3_rot").
 
 See ``docs/codecs.md`` for the layout, the error bound of each codec and measured speed;
 ``swarm.wire.error_feedback.ErrorFeedback`` keeps the quantisation error of gradients from accumulating.
