@@ -16,7 +16,7 @@ from pathlib import Path
 
 from swarm.config import PROTOCOL_VERSION
 from swarm.dht.keys import export_public_key, load_or_create_private_key, public_key_fingerprint
-from swarm.dht.node import OwnedDHT
+from swarm.dht.node import OwnedDHT, start_dht
 from swarm.dht.records import dht_record_validators, list_peers, publish_plan
 from swarm.dht.schema import PeerRecord, Plan, PlannedLayer, validate_swarm_name
 from swarm.dht.signing import KeyPins, RecordSignatureError
@@ -59,8 +59,7 @@ class Membership:
             kwargs["announce_maddrs"] = [f"/{ip}/{self.s.announce_host}/tcp/{self.s.dht_port}"]
         if self.s.identity_file is not None:
             kwargs["identity_path"] = str(self.s.identity_file)
-        self.dht = OwnedDHT(
-            start=True,
+        self.dht = start_dht(
             host_maddrs=[f"/{ip}/{self.s.host}/tcp/{self.s.dht_port}"],
             initial_peers=list(self.s.initial_peers),
             record_validators=dht_record_validators(self.key),

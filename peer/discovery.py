@@ -17,7 +17,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.config import PROTOCOL_VERSION
 from swarm.dht.keys import load_public_key
-from swarm.dht.node import DHTStartError, OwnedDHT
+from swarm.dht.node import DHTStartError, OwnedDHT, start_dht
 from swarm.dht.records import announce_peer, dht_record_validators, fetch_plan, withdraw_peer
 from swarm.dht.schema import PeerRecord, Plan, validate_swarm_name
 from swarm.dht.signing import new_key
@@ -90,8 +90,7 @@ class Discovery:
 
     def _start_node(self, client_mode: bool) -> None:
         ip = "ip6" if ":" in self.s.dht_host else "ip4"
-        self.dht = OwnedDHT(
-            start=True,
+        self.dht = start_dht(
             initial_peers=list(self.initial_peers),
             host_maddrs=[f"/{ip}/{self.s.dht_host}/tcp/{self.s.dht_port}"],
             record_validators=dht_record_validators(),

@@ -1,15 +1,19 @@
 """An owned DHT node never hangs its owner: a start that does not report is cut off at a deadline, a
 process that dies before it is ready is reported at once, a lock left held by a killed DHT process is
-replaced, a SIGTERM never lands mid-write, and a node forked while gRPC is busy in another thread starts."""
+replaced, a SIGTERM never lands mid-write, a node forked while gRPC is busy in another thread starts, and
+a process that stays silent is reported with its and its owner's stacks, and started afresh by start_dht."""
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import logging
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +21,7 @@ import pytest
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.dht import node as dht_node
-from swarm.dht.node import DHTStartError, OwnedDHT
+from swarm.dht.node import DHTHangError, DHTStartError, OwnedDHT, start_dht
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +83,51 @@ def test_a_dht_process_that_dies_before_it_is_ready_is_reported_at_once_not_afte
     assert time.monotonic() - started < 20  # CI waited out all 60 s for a child long dead
     node = OwnedDHT(start=True, host_maddrs=LOCALHOST, ready_timeout=60)  # and the next start works
     node.shutdown()
+
+
+def _wait_forever_before_ready() -> None:
+    threading.Event().wait()  # as a process stuck on a lock it inherited would
+
+
+class _SilentDHT(OwnedDHT):
+    """A DHT process that lives but never reports ready, as CI's membership node once did for 60 s."""
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True)
+        _wait_forever_before_ready()
+
+
+class _SilentOnceDHT(_SilentDHT):
+    marker: Path
+
+    def run(self) -> None:
+        if self.marker.exists():
+            return OwnedDHT.run(self)
+        self.marker.touch()
+        super().run()
+
+
+def test_a_silent_dht_process_is_reported_with_where_it_and_its_owner_were() -> None:
+    started = time.monotonic()
+    with pytest.raises(DHTHangError, match="did not become ready within 3 s") as caught:
+        _SilentDHT(start=True, host_maddrs=LOCALHOST, ready_timeout=3)
+    assert time.monotonic() - started < 20
+    stacks = caught.value.stacks
+    assert "_wait_forever_before_ready" in stacks, stacks  # the child's own stack, taken before it was killed
+    assert "owner" in stacks and "run_in_background" in stacks, stacks  # and the owner's, waiting on it
+    assert "state " in stacks, stacks
+
+
+def test_start_dht_starts_a_fresh_process_after_a_hang(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _SilentOnceDHT.marker = tmp_path / "hung-once"
+    with caplog.at_level(logging.WARNING, logger="swarm.dht.node"):
+        node = start_dht(dht_class=_SilentOnceDHT, host_maddrs=LOCALHOST, ready_timeout=3)
+    try:
+        assert node.get_visible_maddrs()
+        assert "DHT start 1 of 2 hung" in caplog.text and "_wait_forever_before_ready" in caplog.text
+    finally:
+        node.shutdown()
 
 
 # A Ravn process (peer/, coordinator/ and tests' conftest import swarm first) keeps gRPC busy on another

@@ -25,7 +25,7 @@ P2PD_FAILURE = "Daemon failed to start: 2026/12/01 10:11:24 failed to connect to
 
 
 class FlakyDHT:
-    """Stands in for OwnedDHT: the first ``failures`` starts fail the way p2pd does."""
+    """Stands in for start_dht's node: the first ``failures`` starts fail the way p2pd does."""
 
     starts: list[bool] = []
     failures = 0
@@ -42,7 +42,7 @@ class FlakyDHT:
 @pytest.fixture
 def disc(monkeypatch: pytest.MonkeyPatch) -> Discovery:
     FlakyDHT.starts, FlakyDHT.failures = [], 0
-    monkeypatch.setattr(discovery, "OwnedDHT", FlakyDHT)
+    monkeypatch.setattr(discovery, "start_dht", lambda **kwargs: FlakyDHT(**kwargs))
     monkeypatch.setattr(discovery, "RESTART_FIRST_DELAY_S", 0.01, raising=False)
     settings = DiscoverySettings(
         swarm="nat",

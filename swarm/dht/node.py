@@ -21,13 +21,21 @@ lock leaves it held for good, and every later node of that owner then waits for 
 "ready": a peer's restart as a NAT client, or the next test in one pytest process, hung forever on
 this. So a child's SIGTERM exits between its event loop's callbacks, never mid-write; the owner waits
 for "ready" with a deadline, and a lock found stuck after it is replaced, so that the next start works.
+
+A child that lives but never says "ready" is asked for its stacks (faulthandler, SIGUSR1) before it is
+killed, and the owner's own are taken beside them: a hang once seen in CI (a membership node silent for
+60 s, its lock free) left nothing to say where it was, so the error now carries both, and
+``start_dht`` starts one fresh process after such a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,10 +53,22 @@ SIGTERM_GRACE_S = 5.0
 DEATH_POLL_S = 0.5  # how often a start checks that its process still lives
 NO_REPORT = "its process did not report (killed)"
 EXIT_GRACE_S = 2.0  # for the last message of a process that exited to arrive
+STACKS_WAIT_S = 2.0  # for a silent process to write its stacks
+HANG_ATTEMPTS = 2  # start_dht: a hung start is tried once more in a fresh process
+
+log = logging.getLogger(__name__)
 
 
 class DHTStartError(RuntimeError):
     """The DHT process did not become ready in time (it was killed)."""
+
+
+class DHTHangError(DHTStartError):
+    """The DHT process lived but never reported ready; ``stacks`` holds its threads' and its owner's."""
+
+    def __init__(self, message: str, stacks: str) -> None:
+        super().__init__(message)
+        self.stacks = stacks
 
 
 def _children(pid: int) -> list[int]:
@@ -112,6 +132,7 @@ class OwnedDHT(hivemind.DHT):
     def __init__(self, *args: object, ready_timeout: float = READY_TIMEOUT_S, **kwargs: object) -> None:
         self._owner_pid = os.getpid()
         self._ready_timeout = ready_timeout
+        self._stacks_file = tempfile.TemporaryFile()  # the child writes its stacks here when asked (SIGUSR1)
         super().__init__(*args, **kwargs)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -136,10 +157,33 @@ class OwnedDHT(hivemind.DHT):
                 except TimeoutError:
                     self._give_up(f"the DHT process died with {_how(self.exitcode)} before it was ready", "")
             if time.monotonic() >= deadline:
-                self._give_up(f"the DHT node did not become ready within {limit:.0f} s", NO_REPORT)
+                self._give_up(f"the DHT node did not become ready within {limit:.0f} s", NO_REPORT, hung=True)
 
-    def _give_up(self, what: str, why: str) -> NoReturn:
+    def _stacks(self, pid: int) -> str:
+        """The silent child's threads (it dumps them on SIGUSR1) and this process's, as text."""
+        where = _proc_state(pid)
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return f"DHT process {pid}: gone"
+        deadline, size = time.monotonic() + STACKS_WAIT_S, -1
+        while time.monotonic() < deadline:  # until its dump stops growing
+            now = os.fstat(self._stacks_file.fileno()).st_size
+            if now and now == size:
+                break
+            size = now
+            time.sleep(0.1)
+        self._stacks_file.seek(0)
+        child = self._stacks_file.read().decode(errors="replace")
+        with tempfile.TemporaryFile() as own:
+            faulthandler.dump_traceback(own, all_threads=True)
+            own.seek(0)
+            owner = own.read().decode(errors="replace")
+        return f"DHT process {pid} ({where}):\n{child or '(wrote nothing)'}\nowner {os.getpid()}:\n{owner}"
+
+    def _give_up(self, what: str, why: str, hung: bool = False) -> NoReturn:
         pid = self.pid
+        stacks = self._stacks(pid) if hung and pid is not None else ""
         if pid is not None:
             _kill_tree(pid)
         self.join(5.0)
@@ -156,7 +200,11 @@ class OwnedDHT(hivemind.DHT):
                 "gRPC's fork support is on, and a DHT process forked while gRPC is busy can crash:"
                 " import swarm before grpc, or set GRPC_ENABLE_FORK_SUPPORT=false"
             )
-        raise DHTStartError(f"{what}: {'; '.join(reasons)}" if reasons else what) from None
+        message = f"{what}: {'; '.join(reasons)}" if reasons else what
+        if hung:
+            log.error("%s; where each side was:\n%s", message, stacks)
+            raise DHTHangError(message, stacks) from None
+        raise DHTStartError(message) from None
 
     def start(self) -> None:  # forks the DHT process
         if threading.current_thread() is not threading.main_thread():
@@ -167,6 +215,31 @@ class OwnedDHT(hivemind.DHT):
 
     def run(self) -> None:  # runs in the forked DHT process
         signal.signal(signal.SIGTERM, _exit_between_callbacks)
+        faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True)
         arm_parent_death_signal(self._owner_pid)
         os.environ["LIBP2P_TCP_REUSEPORT"] = "false"  # read by the p2pd this process starts (see above)
         super().run()
+
+
+def _proc_state(pid: int) -> str:
+    """A process's scheduler state and kernel wait channel, e.g. "S, futex_wait_queue" for a lock wait."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+    except (OSError, IndexError):
+        return "state unknown"
+    return f"state {state}, waiting in {wchan}"
+
+
+def start_dht(*, dht_class: type[OwnedDHT] = OwnedDHT, attempts: int = HANG_ATTEMPTS, **kwargs: object) -> OwnedDHT:
+    """Start a DHT node; a start that hung (its process alive, silent) is retried in a fresh process.
+
+    A fresh fork does not inherit what the silent one waited on in itself; a start that failed in any
+    other way (p2pd refused, the process died) is the caller's to handle, as before.
+    """
+    for attempt in range(1, attempts):
+        try:
+            return dht_class(start=True, **kwargs)
+        except DHTHangError as e:
+            log.warning("DHT start %d of %d hung (%s); starting a fresh process", attempt, attempts, e)
+    return dht_class(start=True, **kwargs)
