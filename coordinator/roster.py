@@ -162,7 +162,13 @@ class Roster:
                 self.flow.note_incident(f"peer {peer_id} {why}", peer_id, (a, b))
                 del self.planning.planned[peer_id]
                 self.sessions.departed.add(peer_id)
+                reason = f"layers [{a},{b}) are uncovered: peer {peer_id} {why}"
+                if not self.s.train.checkpoint_every:
+                    reason += " (no checkpoints to recover from: --checkpoint-every 0)"
+                # the block and its reason together, before any await: the run loop reads the reason once
+                # it sees the block uncovered
                 self.uncovered.append(f"layers [{a},{b})")
+                self.departures.append(reason)
                 self.record.metrics.set_uncovered_blocks(len(self.uncovered))
                 self.record.artifacts.log(
                     "membership", peer=peer_id, event="left" if left else "expired", layers=[a, b]
@@ -170,10 +176,6 @@ class Roster:
                 self.progress.message(f"membership: peer {peer_id} {why}; layers [{a},{b}) are now uncovered")
                 if self.planning.plan is not None:
                     await self.publish(self.planning.publishable(self.planning.without(peer_id)))
-                reason = f"layers [{a},{b}) are uncovered: peer {peer_id} {why}"
-                if not self.s.train.checkpoint_every:
-                    reason += " (no checkpoints to recover from: --checkpoint-every 0)"
-                self.departures.append(reason)
                 if not self.flow.finished.is_set():
                     self.flow.fail(reason)
 
