@@ -69,8 +69,13 @@ SYSTEMS = (
     System("torch GPipe fp32", "torch", "GPipe fp32", "fp32/fp32"),
     System("torch GPipe bf16", "torch", "GPipe bf16", "bf16/bf16"),
     # zstd coding is lossless: the same loss curve as the plain pair, fewer bytes on the wire
-    System("Ravn int3_rot/int3_rot + zstd", "ravn", "sync int3_rot/int3_rot zstd", "int3_rot/int3_rot"),
-    System("Ravn int4_rot/int4_rot + zstd (default)", "ravn", "sync int4_rot/int4_rot zstd", "int4_rot/int4_rot"),
+    System("Ravn int3_rot/int3_rot + zstd (default)", "ravn", "sync int3_rot/int3_rot zstd", "int3_rot/int3_rot"),
+    System(
+        "Ravn int4_rot/int4_rot + zstd (default until 2026-12-03)",
+        "ravn",
+        "sync int4_rot/int4_rot zstd",
+        "int4_rot/int4_rot",
+    ),
     System("Ravn int4_rot/int4_rot (default until zstd)", "ravn", "sync int4_rot/int4_rot", "int4_rot/int4_rot"),
     System("Ravn int4_rot/int8 (default until 2026-12-02)", "ravn", "sync int4_rot/int8", "int4_rot/int8"),
     System("Ravn int8/int8 (default on 2026-12-01)", "ravn", "sync int8/int8", "int8/int8"),

@@ -17,7 +17,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from swarm.config import PROTOCOL_VERSION
 from swarm.dht.keys import load_public_key
-from swarm.dht.node import DHTStartError, OwnedDHT, start_dht
+from swarm.dht.node import HANG_ATTEMPTS, DHTStartError, OwnedDHT, start_dht
 from swarm.dht.records import announce_peer, dht_record_validators, fetch_plan, withdraw_peer
 from swarm.dht.schema import PeerRecord, Plan, validate_swarm_name
 from swarm.dht.signing import new_key
@@ -88,9 +88,10 @@ class Discovery:
                 "check the address and that the coordinator runs"
             ) from None
 
-    def _start_node(self, client_mode: bool) -> None:
+    def _start_node(self, client_mode: bool, attempts: int = HANG_ATTEMPTS) -> None:
         ip = "ip6" if ":" in self.s.dht_host else "ip4"
         self.dht = start_dht(
+            attempts=attempts,
             initial_peers=list(self.initial_peers),
             host_maddrs=[f"/{ip}/{self.s.dht_host}/tcp/{self.s.dht_port}"],
             record_validators=dht_record_validators(),
@@ -113,7 +114,7 @@ class Discovery:
         while True:
             attempt += 1
             try:
-                self._start_node(True)
+                self._start_node(True, attempts=1)  # this loop retries every failure, a hang included
                 if attempt > 1:
                     log.info("DHT node restarted as a client (attempt %d)", attempt)
                 return
