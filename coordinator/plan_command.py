@@ -28,7 +28,7 @@ from coordinator.placement import NoFit, PlacementError, place
 from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
 from coordinator.wire_choice import choose_links
-from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig, forward_ladder
+from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig, backward_ladder, forward_ladder
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches
 # reaches roughly 30-50 % of a 3090's peak, so 30 TFLOP/s is a modest, stated guess. Pass NNtflops to override.
@@ -102,7 +102,7 @@ def plan_report(
     reserve: float = DEFAULT_RESERVE_GIB * (1 << 30),
 ) -> dict:
     """The plan as plain data (what ``--json`` prints); raises ``PlacementError`` with a one-line reason."""
-    spec = hf_model_spec(arch, settings, wire_forward, wire_backward)
+    spec = hf_model_spec(arch, settings, wire_forward, wire_backward, zstd=True)  # runs code unless told not to
     tokens_hidden = float(settings.tokens * arch.hidden)  # values per micro-batch across a boundary
     flops = mm.layer_flops(arch, settings)
     overhead = mm.stage_overhead_bytes(arch, settings)
@@ -157,7 +157,8 @@ def plan_report(
         tokens_hidden,
         wire_forward,
         wire_backward,
-        forward_ladder(arch.hidden),
+        forward_ladder(arch.hidden, zstd=True),
+        backward_ladder(arch.hidden, zstd=True),
     )
     slow = placement.blocks[placement.bottleneck]
     slow_row = next(r for r in rows if r["peer"] == slow.peer_ids[0])
@@ -173,8 +174,8 @@ def plan_report(
         },
         "stages": rows,
         "boundary_bytes_per_token": {  # as planned: under auto, the ladder's smallest codec
-            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden)[0],
-            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden)[1],
+            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=True)[0],
+            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=True)[1],
         },
         "links": [asdict(x) for x in links],  # each link's codecs (coordinator/wire_choice.py)
         "layer_flops_per_micro_batch": flops,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import ModelSpec, PeerSpec
-from swarm.config import AUTO_BACKWARD_LADDER, HFConfig, ModelConfig, TrainConfig, forward_ladder, planned_codec
+from swarm.config import HFConfig, ModelConfig, TrainConfig, backward_ladder, forward_ladder, planned_codec
 from swarm.dht.schema import PeerRecord
 
 # bytes per element on the wire, counting the fp16 scale of each 64-element block
@@ -29,8 +29,9 @@ CODEC_BYTES = {
     "int4_rot": 0.5 + 2 / 64,
     "int3_rot": 0.5 + 2 / 64,  # plain; zstd-coded 0.31-0.43 of it on gpt-medium (docs/codecs.md), not planned on
 }
-# gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py)
-SCALED_CODECS = ("int8", "int4", "int4_rot", "int3_rot")
+# gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py),
+# all but int3_rot, whose bf16 scales have fp32's range
+SCALED_CODECS = ("int8", "int4", "int4_rot")
 GRADIENT_CODEC_BYTES = {c: b + (2 / 64 if c in SCALED_CODECS else 0.0) for c, b in CODEC_BYTES.items()}
 ACTIVATION_TENSORS_PER_LAYER = 16  # saved tensors of one pre-norm block per token and channel, roughly
 MIN_SPEED = 1e-3
@@ -86,12 +87,12 @@ def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:
         return mm.Arch.from_config({"model_type": "gpt2", **gpt2, "vocab_size": model.vocab_size})
 
 
-def wire_bytes(wire_forward: str, wire_backward: str, width: int) -> tuple[float, float]:
+def wire_bytes(wire_forward: str, wire_backward: str, width: int, zstd: bool = False) -> tuple[float, float]:
     """Bytes per element the planner sizes each direction with (``auto``: its ladder's smallest codec, for a
-    model ``width`` wide)."""
+    model ``width`` wide whose 3- and 4-bit codes travel zstd-coded or not); plain sizes, before zstd."""
     return (
-        CODEC_BYTES[planned_codec(wire_forward, forward_ladder(width))],
-        GRADIENT_CODEC_BYTES[planned_codec(wire_backward, AUTO_BACKWARD_LADDER)],
+        CODEC_BYTES[planned_codec(wire_forward, forward_ladder(width, zstd))],
+        GRADIENT_CODEC_BYTES[planned_codec(wire_backward, backward_ladder(width, zstd))],
     )
 
 
@@ -102,12 +103,14 @@ def boundary_elements(model: ModelConfig, train: TrainConfig, hf: HFConfig | Non
     return float(train.micro_batch_size * model.context * model.d_model)
 
 
-def hf_model_spec(arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str) -> ModelSpec:
+def hf_model_spec(
+    arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str, zstd: bool = False
+) -> ModelSpec:
     """Per-layer memory and cost of a checkpoint (embedding on layer 0, head and logits on the last; the last
     block keeps one micro-batch's activations, the others every one in flight)."""
     per_token = settings.tokens * arch.hidden
     n_b = arch.n_layers - 1
-    fwd, bwd = wire_bytes(wire_forward, wire_backward, arch.hidden)
+    fwd, bwd = wire_bytes(wire_forward, wire_backward, arch.hidden, zstd)
     return ModelSpec(
         layer_cost=mm.layer_costs(arch, settings),
         layer_memory=mm.layer_memory(arch, settings),
@@ -122,12 +125,13 @@ def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = Non
     in flight (a rough count); a HF checkpoint: the memory model on its ``config.json``."""
     if hf is not None:
         arch = hf_arch(model, hf)
-        return hf_model_spec(arch, hf_settings(model, train, hf), train.wire_forward, train.wire_backward)
+        settings = hf_settings(model, train, hf)
+        return hf_model_spec(arch, settings, train.wire_forward, train.wire_backward, train.wire_zstd)
     d, tokens = model.d_model, train.micro_batch_size * model.context
     params = 12 * d * d  # attention (4 d^2) + MLP (8 d^2) per layer
     weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
     activations = tokens * d * ACTIVATION_TENSORS_PER_LAYER * 4 * train.in_flight_limit
-    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward, d)
+    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward, d, train.wire_zstd)
     return ModelSpec.uniform(
         model.n_layers,
         layer_memory=float(weights + activations),

@@ -22,7 +22,7 @@ from coordinator.progress import Progress
 from coordinator.run_settings import NoPlanFits, RunFailed, RunSettings
 from coordinator.run_state import CoordinatorState
 from coordinator.wire_choice import choose_links
-from swarm.config import WIRE_AUTO, forward_ladder
+from swarm.config import WIRE_AUTO, backward_ladder, forward_ladder
 from swarm.dht.plan_view import plan_view
 from swarm.dht.records import seal_plan
 from swarm.dht.schema import PeerRecord, Plan
@@ -116,8 +116,9 @@ class Planning:
             elements = boundary_elements(self.s.model, self.s.train, self.s.hf)
             peers = {p: self.links_from[p] for p in holders}
             train = self.s.train
-            ladder = forward_ladder(self.s.model.d_model)
-            choices = choose_links(ids, peers, spec, elements, train.wire_forward, train.wire_backward, ladder)
+            width, zstd = self.s.model.d_model, train.wire_zstd
+            ladders = forward_ladder(width, zstd), backward_ladder(width, zstd)
+            choices = choose_links(ids, peers, spec, elements, train.wire_forward, train.wire_backward, *ladders)
             return [asdict(c) for c in choices]
         old = self.plan.links if self.plan is not None else []
         return [x.model_dump() for x in old if x.upstream in holders and x.downstream in holders]

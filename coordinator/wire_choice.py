@@ -4,11 +4,12 @@ Pure functions of the placement (blocks and their holders), the peers' measured 
 planned cost model; no I/O. A link is one (upstream holder, downstream holder) pair across the boundary
 between stage ``i`` and ``i + 1``. The rule, per direction:
 
-* The **ladder** is ordered least lossy first (``swarm.config.AUTO_FORWARD_LADDER`` and
-  ``AUTO_BACKWARD_LADDER``: bf16, int8, int4_rot), least per-message error first; plain int4, whose loss
-  cost at 300 steps exceeded 2% before gradients got fp32 scales, is not on them (docs/codecs.md). On a
-  model narrower than ``WIDE_FROM`` the activations' ladder ends at int8 (``forward_ladder``): 4-bit
-  activations cost more than 2% there.
+* The **ladder** is ordered least lossy first (``swarm.config.forward_ladder`` and ``backward_ladder``:
+  bf16, int8, int4_rot, then int3_rot when the run codes 3- and 4-bit payloads with zstd), least
+  per-message error first; plain int4, whose loss cost at 300 steps exceeded 2% before gradients got fp32
+  scales, is not on them (docs/codecs.md). On a model narrower than ``WIDE_FROM`` the activations' ladder
+  ends at int8 and the gradients' at int4_rot: 4-bit activations cost more than 2% there, and int3_rot was
+  not measured there.
 * The **budget** of a boundary is the pipeline's bottleneck time per micro-batch without that boundary's
   transfers: the slowest stage of the cost model with the boundary's bytes set to zero (the other
   boundaries carry what the planner sized them with). A link that sends one micro-batch within it does
@@ -16,7 +17,8 @@ between stage ``i`` and ``i + 1``. The rule, per direction:
 * The link's **bandwidth** is the sender's measured upload and the receiver's download, the smaller.
 * The pick is the first codec on the ladder whose transfer of one micro-batch's tensor (elements x bytes
   per element of the codec / bandwidth) fits the budget; if none does, the smallest (the link is the
-  bottleneck whatever it sends).
+  bottleneck whatever it sends). Sizes are plain, before zstd: int3_rot is priced as int4_rot (what it
+  codes to depends on the data), so it is picked only where nothing fits, where it sends the fewest bytes.
 
 Activations are encoded before the sender routes them to one of the next block's holders, so a sender
 uses one forward codec for all its downstream links: the pick over the slowest of them. Gradients are
@@ -93,6 +95,7 @@ def choose_links(
     forward: str,
     backward: str,
     forward_codecs: tuple[str, ...] = AUTO_FORWARD_LADDER,
+    backward_codecs: tuple[str, ...] = AUTO_BACKWARD_LADDER,
 ) -> list[LinkChoice]:
     """Every link of ``stages`` (``(layer_start, layer_end, holders)`` in pipeline order) with its codecs.
 
@@ -120,7 +123,7 @@ def choose_links(
             for r in downs:
                 bwd_bw = min(peers[r].upload, sender.download)
                 if backward == WIRE_AUTO:
-                    bwd, bwd_why = pick_codec(AUTO_BACKWARD_LADDER, elements, bwd_bw, budget, GRADIENT_CODEC_BYTES)
+                    bwd, bwd_why = pick_codec(backward_codecs, elements, bwd_bw, budget, GRADIENT_CODEC_BYTES)
                 else:
                     bwd, bwd_why = backward, "set by --wire-backward"
                 links.append(LinkChoice(i, s, r, fwd, bwd, _mbit(fwd_bw), _mbit(bwd_bw), fwd_why, bwd_why))

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 # 6: a stale backward uses the weights its forward saw (no weight_stashing flag, no recompute)
 # 7: 4-bit payloads may travel zstd-coded (Tensor.compression, TrainConfig.wire_zstd)
 # 8: codec INT3_ROT (a peer of 7 would refuse its packets mid-run instead of at Hello)
-PROTOCOL_VERSION = 8
+# 9: INT3_ROT's scales are bf16 (a peer of 8 would read them as fp16)
+PROTOCOL_VERSION = 9
 SCHEDULES = ("sync", "async")
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,
@@ -25,16 +26,26 @@ SCHEDULES = ("sync", "async")
 # (6-8% before the fix, not re-measured) is on neither.
 # On models narrower than WIDE_FROM (gpt-small, width 128) 4-bit activations cost +2.4-3.2% (3 seeds), so
 # auto's activation ladder stops at int8 there; 4-bit gradients behind int8 activations stayed within 2%.
+# int3_rot/int3_rot (+0.48%, 3 seeds, gpt-medium) pays only zstd-coded and was measured only on wide models,
+# so it ends both ladders of a wide model whose codes travel zstd-coded (``ladders``).
 WIRE_AUTO = "auto"
 AUTO_FORWARD_LADDER = ("bf16", "int8", "int4_rot")
 AUTO_BACKWARD_LADDER = ("bf16", "int8", "int4_rot")
 NARROW_FORWARD_LADDER = ("bf16", "int8")
+CODED_RUNG = "int3_rot"  # the rung below int4_rot where zstd codes the codes
 WIDE_FROM = 256  # d_model from which 4-bit activations stay within 2% of fp32 (docs/codecs.md)
 
 
-def forward_ladder(d_model: int) -> tuple[str, ...]:
+def forward_ladder(d_model: int, zstd: bool = False) -> tuple[str, ...]:
     """The activation codecs auto may pick for a model ``d_model`` wide, least lossy first."""
-    return AUTO_FORWARD_LADDER if d_model >= WIDE_FROM else NARROW_FORWARD_LADDER
+    if d_model < WIDE_FROM:
+        return NARROW_FORWARD_LADDER
+    return (*AUTO_FORWARD_LADDER, CODED_RUNG) if zstd else AUTO_FORWARD_LADDER
+
+
+def backward_ladder(d_model: int, zstd: bool = False) -> tuple[str, ...]:
+    """The gradient codecs auto may pick for a model ``d_model`` wide, least lossy first."""
+    return (*AUTO_BACKWARD_LADDER, CODED_RUNG) if zstd and d_model >= WIDE_FROM else AUTO_BACKWARD_LADDER
 
 
 def planned_codec(choice: str, ladder: tuple[str, ...]) -> str:

@@ -116,18 +116,18 @@ def test_auto_plans_with_the_smallest_codecs_and_reports_each_links_choice() -> 
     settings = mm.Settings(micro_batch_size=2, context=256, in_flight=4)
     peers = [parse_peer(s) for s in ("8GiB,1gbit", "8GiB,1gbit", "8GiB,10mbit/1gbit")]
     report = plan_report(arch, settings, peers, wire_forward="auto", wire_backward="auto", stages=3, reserve=2**28)
-    # gradients (~1e-7) travel with fp32 scales: 4 bytes per 64-element block
-    # the smallest codec of the ladders, int4_rot: half a byte per element and a scale per 64 elements
-    assert report["boundary_bytes_per_token"] == {"forward": 256 * (0.5 + 2 / 64), "backward": 256 * (0.5 + 4 / 64)}
+    # the smallest codec of the ladders (zstd on, the default), int3_rot: half a byte per element plain and a
+    # bf16 scale per 64 elements, gradients too (int4_rot's ~1e-7 gradients need fp32 scales, 4 bytes)
+    assert report["boundary_bytes_per_token"] == {"forward": 256 * (0.5 + 2 / 64), "backward": 256 * (0.5 + 2 / 64)}
     links = {x["boundary"]: x for x in report["links"]}
     assert [p["peer"] for p in report["stages"]][0] == "pc2-8G"  # the slow uplink goes first: it sends least
     assert (links[0]["upstream"], links[0]["forward"], links[0]["forward_reason"]) == (
         "pc2-8G",
-        "int4_rot",
+        "int3_rot",
         "smallest: link-bound",
     )
     # its gradients cross 1 Gbit/s, but the budget (the bottleneck without boundary 0, the rest sized with
-    # int4_rot gradients) is too short for bf16's: the next codec that fits
+    # int3_rot gradients) is too short for bf16's: the next codec that fits
     assert links[0]["forward_mbit_s"] == 10.0 and (links[0]["backward"], links[0]["backward_reason"]) == (
         "int8",
         "fits the bottleneck",

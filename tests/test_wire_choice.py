@@ -10,7 +10,7 @@ from coordinator.cost_model import CostModel, ModelSpec, PeerSpec
 from coordinator.placement import place
 from coordinator.plan_inputs import CODEC_BYTES, GRADIENT_CODEC_BYTES, wire_bytes
 from coordinator.wire_choice import FITS, LINK_BOUND, bottleneck_without, choose_links, pick_codec
-from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER, forward_ladder
+from swarm.config import AUTO_BACKWARD_LADDER, AUTO_FORWARD_LADDER, backward_ladder, forward_ladder
 
 ELEMENTS = 4 * 128 * 256  # one gpt-medium micro-batch: 4 sequences x 128 tokens x width 256
 MBIT = 1e6 / 8  # bytes/s per Mbit/s
@@ -145,3 +145,34 @@ def test_a_narrow_model_never_sends_4_bit_activations() -> None:
     # the planner sizes an auto boundary with the smallest codec auto may pick on that model
     assert wire_bytes("auto", "auto", 128) == (CODEC_BYTES["int8"], GRADIENT_CODEC_BYTES["int4_rot"])
     assert wire_bytes("auto", "auto", 4096) == (CODEC_BYTES["int4_rot"], GRADIENT_CODEC_BYTES["int4_rot"])
+    # with zstd, int3_rot ends both wide ladders: int4_rot's plain size, and bf16 scales on gradients too
+    assert wire_bytes("auto", "auto", 128, zstd=True) == (CODEC_BYTES["int8"], GRADIENT_CODEC_BYTES["int4_rot"])
+    assert wire_bytes("auto", "auto", 4096, zstd=True) == (CODEC_BYTES["int3_rot"], GRADIENT_CODEC_BYTES["int3_rot"])
+    assert GRADIENT_CODEC_BYTES["int3_rot"] == CODEC_BYTES["int3_rot"] < GRADIENT_CODEC_BYTES["int4_rot"]
+
+
+def test_with_zstd_a_link_bound_wide_link_sends_int3_rot_and_a_fitting_one_keeps_int4_rot() -> None:
+    """int3_rot/int3_rot is the fewest bytes within 2% of fp32 on a wide model, but only zstd-coded (plain it
+    is int4_rot's size): with zstd on it ends both ladders and a link too slow for any rung gets it; where
+    int4_rot fits, the less lossy int4_rot stays, since plain sizes cannot tell the two apart."""
+    assert forward_ladder(256, zstd=True) == ("bf16", "int8", "int4_rot", "int3_rot")
+    assert backward_ladder(256, zstd=True) == ("bf16", "int8", "int4_rot", "int3_rot")
+    assert forward_ladder(256) == AUTO_FORWARD_LADDER and backward_ladder(256) == AUTO_BACKWARD_LADDER
+    # narrow models: int3_rot was not measured there, so neither ladder gets it
+    assert forward_ladder(128, zstd=True) == ("bf16", "int8")
+    assert backward_ladder(128, zstd=True) == AUTO_BACKWARD_LADDER
+    stages, peers = chain(peer("a", up_mbit=10.0, down_mbit=10.0), peer("b", up_mbit=10.0, down_mbit=10.0))
+    ladders = forward_ladder(256, zstd=True), backward_ladder(256, zstd=True)
+    slow = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", *ladders)[0]
+    assert (slow.forward, slow.forward_reason, slow.backward, slow.backward_reason) == (
+        "int3_rot",
+        LINK_BOUND,
+        "int3_rot",
+        LINK_BOUND,
+    )
+    plain_ladders = forward_ladder(256), backward_ladder(256)
+    plain = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", *plain_ladders)
+    assert (plain[0].forward, plain[0].backward) == ("int4_rot", "int4_rot")
+    stages, peers = chain(peer("a", up_mbit=80.0, down_mbit=80.0), peer("b", up_mbit=80.0, down_mbit=80.0))
+    fits = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", *ladders)[0]
+    assert (fits.forward, fits.forward_reason) == ("int4_rot", FITS)

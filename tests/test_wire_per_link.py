@@ -3,10 +3,11 @@
 A real swarm on loopback (no mocks): one peer announces a 0.1 Mbit/s uplink (``--debug-slow-uplink``), so the
 planner puts it at an end of the pipeline, where it sends one direction only, whichever is the smaller:
 
-* gpt-medium (width 256): both directions may go 4-bit, activations are the smaller (no fp32 scales), so it
-  goes first and sends activations as int4_rot;
-* gpt-tiny (width 64): below width 256 activations stop at int8 (4-bit ones cost more than 2% there), the
-  int4_rot gradients are smaller, so it goes last and sends gradients as int4_rot.
+* gpt-medium (width 256): both directions may go to int3_rot (zstd-coded, the run's default), activations
+  are the smaller (no fp32 scales), so it goes first and sends activations as int3_rot;
+* gpt-tiny (width 64): below width 256 activations stop at int8 (4-bit ones cost more than 2% there) and
+  gradients at int4_rot (int3_rot was not measured there), the int4_rot gradients are smaller, so it goes
+  last and sends gradients as int4_rot.
 
 Its link is link-bound; the link between the two loopback peers is bound by the slow stage, not by itself,
 and keeps bf16. The summary names every link, and what each stage says it sent is what its links name.
@@ -19,16 +20,17 @@ from pathlib import Path
 import pytest
 
 from coordinator.wire_choice import FITS, LINK_BOUND
-from swarm.config import AUTO_BACKWARD_LADDER, MODEL_PRESETS, forward_ladder
+from swarm.config import MODEL_PRESETS, backward_ladder, forward_ladder
 from tests.conftest import read_metrics, run_ravn_local
 
 
 @pytest.mark.slow  # three peer processes start, measure and join: over 20 s on a shared machine
 @pytest.mark.parametrize(
-    ("model", "slow_stage", "direction"), [("gpt-medium", 0, "forward"), ("gpt-tiny", 2, "backward")]
+    ("model", "slow_stage", "direction", "smallest"),
+    [("gpt-medium", 0, "forward", "int3_rot"), ("gpt-tiny", 2, "backward", "int4_rot")],
 )
 def test_auto_picks_a_codec_per_link_and_the_wire_uses_it(
-    tmp_path: Path, model: str, slow_stage: int, direction: str
+    tmp_path: Path, model: str, slow_stage: int, direction: str, smallest: str
 ) -> None:
     run_ravn_local(
         tmp_path,
@@ -42,15 +44,16 @@ def test_auto_picks_a_codec_per_link_and_the_wire_uses_it(
     stage_of = {s["peer"]: s["stage"] for s in summary["stages"]}
     links = {x["boundary"]: x for x in summary["links"]}
     assert sorted(links) == [0, 1] and all(x["stages"] == [i, i + 1] for i, x in links.items())
-    ladder = forward_ladder(MODEL_PRESETS[model].d_model)
+    width = MODEL_PRESETS[model].d_model
+    ladder, back_ladder = forward_ladder(width, zstd=True), backward_ladder(width, zstd=True)
     for x in links.values():
         assert stage_of[x["upstream"]] == x["boundary"] and stage_of[x["downstream"]] == x["boundary"] + 1
-        assert x["forward"] in ladder and x["backward"] in AUTO_BACKWARD_LADDER
+        assert x["forward"] in ladder and x["backward"] in back_ladder
         assert x["forward_mbit_s"] > 0 and x["backward_mbit_s"] > 0
     assert stage_of["peer-0"] == slow_stage, f"the 0.1 Mbit/s uplink belongs at stage {slow_stage}: {stage_of}"
     slow = links[0 if slow_stage == 0 else 1]
     fast = links[1 if slow_stage == 0 else 0]  # loopback both ways, bound by the slow link: bf16 fits
-    assert (slow[direction], slow[f"{direction}_reason"], slow[f"{direction}_mbit_s"]) == ("int4_rot", LINK_BOUND, 0.1)
+    assert (slow[direction], slow[f"{direction}_reason"], slow[f"{direction}_mbit_s"]) == (smallest, LINK_BOUND, 0.1)
     other = "backward" if direction == "forward" else "forward"
     assert (slow[other], slow[f"{other}_reason"]) == ("bf16", FITS)  # towards the slow peer: its download is fast
     assert (fast["forward"], fast["forward_reason"]) == ("bf16", FITS)
