@@ -6,10 +6,9 @@ benchmark trains gpt-medium unsplit in this process (AdamW, the swarm's recipe, 
 step) and, at the steps asked for, keeps the output of layers 1 and 3 (the boundaries of a 3-peer split)
 and the gradient of the loss w.r.t. them, for one micro-batch of 4 x 128 as the wire carries it. Each is
 encoded with each codec (gradients with the fp32-scale hint, as a stage sends them) and its payload
-zstd-compressed (the scales travel raw, as on the wire, but int3_rot's, coded in a frame of their own); the
-table gives payload + scales coded over plain, the relative error ``||decode - x|| / ||x||``, the coded
-bytes per token (one token is one row of ``d_model`` values) and the single-core speeds (median of
-``--repeats``, MB/s of plain payload).
+zstd-compressed (the scales travel raw, as on the wire); the table gives payload + scales coded over
+plain, the relative error ``||decode - x|| / ||x||``, the coded bytes per token (one token is one row of
+``d_model`` values) and the single-core speeds (median of ``--repeats``, MB/s of plain payload).
 
 Run: ``PYTHONPATH=. python -m benchmarks.entropy`` (alone on the machine for the speeds).
 """
@@ -27,7 +26,6 @@ from swarm.config import MODEL_PRESETS
 from swarm.train.data import Corpus
 from swarm.train.model import full_model
 from swarm.wire.codecs import decode, encode
-from swarm.wire.entropy import codes_scales, compress_scales
 
 BOUNDARIES = (1, 3)  # the outputs of a 3-peer split of 6 layers
 
@@ -93,18 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     for (step, i, kind), x in sorted(tensors.items()):
         for codec in args.codecs:
             enc = encode(x, codec, small=kind == "gradients")
-            plain = len(enc.payload) + len(enc.scales)
-            # int3_rot's scales travel zstd-coded in a frame of their own, as on the wire
-            raw = enc.payload
-            beside = len(compress_scales(enc.scales)) if codes_scales(codec) else len(enc.scales)
+            raw, plain = enc.payload, len(enc.payload) + len(enc.scales)
             err = float((decode(enc) - x).norm() / x.norm())
             z = comp.compress(raw)
-            per_token = (len(z) + beside) / (x.numel() // x.shape[-1])
+            per_token = (len(z) + len(enc.scales)) / (x.numel() // x.shape[-1])
             c = _median_seconds(lambda raw=raw: comp.compress(raw), args.repeats)
             d = _median_seconds(lambda z=z: dec.decompress(z), args.repeats)
             print(
                 f"| {step} | {i} | {kind} | {codec} | {err:.4f} | {plain / x.numel():.3f} "
-                f"| {(len(z) + beside) / plain:.3f} | {per_token:.1f} "
+                f"| {(len(z) + len(enc.scales)) / plain:.3f} | {per_token:.1f} "
                 f"| {len(raw) / c / 1e6:,.0f} | {len(raw) / d / 1e6:,.0f} |"
             )
 

@@ -29,9 +29,8 @@ CODEC_BYTES = {
     "int4_rot": 0.5 + 2 / 64,
     "int3_rot": 0.5 + 2 / 64,  # plain; zstd-coded 0.31-0.43 of it on gpt-medium (docs/codecs.md), not planned on
 }
-# gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py),
-# all but int3_rot, whose bf16 scales have fp32's range
-SCALED_CODECS = ("int8", "int4", "int4_rot")
+# gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py)
+SCALED_CODECS = ("int8", "int4", "int4_rot", "int3_rot")
 GRADIENT_CODEC_BYTES = {c: b + (2 / 64 if c in SCALED_CODECS else 0.0) for c, b in CODEC_BYTES.items()}
 ACTIVATION_TENSORS_PER_LAYER = 16  # saved tensors of one pre-norm block per token and channel, roughly
 MIN_SPEED = 1e-3

@@ -7,7 +7,7 @@ The bounds checked here are the ones stated in docs/codecs.md:
   ``s_b <= absmax_b / L * (1 + 2**-9) + 2**-24`` (``L`` = 127 or 7; the 2**-24 is fp16's subnormal step,
   and a tensor whose scales are all below 2**-10 gets fp32 scales, so small tensors keep their precision);
 * int4_rot, int3_rot: per full block ``||x_b - x'_b||_2 <= sqrt(B) * s_b / 2`` (the rotation is orthonormal);
-  the trailing partial block is plain int4; int3_rot's scales are bf16, at most 2**-6 above ``absmax_b / L``.
+  the trailing partial block is plain int4.
 
 plus float32 arithmetic slack and, for fp16/bf16 tensors, the final rounding to that dtype.
 """
@@ -61,8 +61,6 @@ def make_tensor(shape: tuple[int, ...], seed: int, magnitude: float, kind: str, 
 def block_scales(enc: EncodedTensor) -> torch.Tensor:
     if not enc.scales:
         return torch.empty(0)
-    if enc.codec == "int3_rot":  # bf16 scales, always
-        return torch.frombuffer(bytearray(enc.scales), dtype=torch.bfloat16).float()
     nblocks = -(-math.prod(enc.shape) // enc.block_size)
     wide = len(enc.scales) == 4 * nblocks  # fp32 scales: a tensor too large or too small for fp16 ones
     return torch.frombuffer(bytearray(enc.scales), dtype=torch.float32 if wide else torch.float16).float()
@@ -155,7 +153,7 @@ def test_quantised_round_trip_within_bound(shape, vals, dtype, params, seed):
     n = x.numel()
     assert len(enc.payload) == (n if codec == "int8" else (n + 1) // 2)
     nblocks = -(-n // bs)
-    assert len(enc.scales) in ((2 * nblocks,) if codec == "int3_rot" else (2 * nblocks, 4 * nblocks))
+    assert len(enc.scales) in (2 * nblocks, 4 * nblocks)
     if nblocks and len(enc.scales) == 4 * nblocks:  # fp32 scales only where fp16 ones would be too small or too large
         top = float(block_scales(enc).max())
         assert top < quantize.FP16_SCALE_MIN or top > 65504, top
@@ -227,26 +225,6 @@ def test_small_tensors_keep_their_relative_precision(codec, magnitude):
         y = decode(encode(x * scale, codec))
         errors.append(float((y - x * scale).norm() / (x * scale).norm()))
     assert errors[1] < 1.05 * errors[0], errors
-
-
-def test_int3_rot_sends_gradients_with_two_byte_scales_at_full_precision():
-    """Gradients of ~1e-7 need fp32 scales in fp16-scaled codecs (4 bytes per block); int3_rot's bf16 scales
-    have fp32's range, so they cost 2 bytes per block at any magnitude, and the scale's rounding (at most
-    2**-6 above absmax / 3) leaves the error int3_rot's own: the same share of the tensor at every size."""
-    torch.manual_seed(0)
-    x = torch.randn(4, 128, 256)
-    nblocks = x.numel() // 64
-    errors = []
-    for scale in (1.0, 1e-7, 1e-20, 1e30):  # (far above the 2**-100 floor every scale carries)
-        enc = encode(x * scale, "int3_rot", seed=3, small=scale < 1)
-        assert len(enc.scales) == 2 * nblocks, scale
-        s = block_scales(enc)
-        absmax = torch.stack([hadamard.rotate(b, 3) for b in (x * scale).view(-1, 64).split(4096)]).abs()
-        absmax = absmax.view(-1, 64).amax(1)
-        assert bool((s * 3 >= absmax * (1 - 1e-6)).all()) and bool((s * 3 <= absmax * (1 + 2.0**-6)).all())
-        errors.append(float((decode(enc) - x * scale).norm() / (x * scale).norm()))
-    assert max(errors) < 1.01 * min(errors), errors
-    assert len(encode(x * 1e-7, "int4_rot", small=True).scales) == 4 * nblocks  # what int3_rot saves
 
 
 @pytest.mark.parametrize("codec", QUANT)
@@ -421,8 +399,7 @@ def test_wrong_payload_or_scales_length_refused(codec):
     for payload in (enc.payload[:-1], enc.payload + b"\0", b""):
         with pytest.raises(CodecError, match="payload of"):
             decode(replace(enc, payload=payload))
-    wide = [enc.scales * 2] if codec == "int3_rot" else []  # int3_rot's scales are bf16 only: no fp32 length
-    for scales in (enc.scales[:-2], enc.scales + b"\0\0", enc.scales[:-1], b"", *wide):
+    for scales in (enc.scales[:-2], enc.scales + b"\0\0", enc.scales[:-1], b""):
         with pytest.raises(CodecError, match="scales of"):
             decode(replace(enc, scales=scales))
     with pytest.raises(CodecError, match="payload of"):
@@ -454,16 +431,12 @@ def test_huge_claimed_shape_refused_before_allocation():
         decode(replace(good("int8"), shape=(-1, -100)))
 
 
-# NaN, +Inf, -Inf, -1.0 as fp16 and as bf16 (int3_rot's scales)
-@pytest.mark.parametrize(
-    "bad",
-    [(b"\x00\x7e", b"\xc0\x7f"), (b"\x00\x7c", b"\x80\x7f"), (b"\x00\xfc", b"\x80\xff"), (b"\x00\xbc", b"\x80\xbf")],
-)
+@pytest.mark.parametrize("bad", [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc", b"\x00\xbc"])  # NaN, +Inf, -Inf, -1.0
 def test_bad_scales_refused(bad):
     for codec in QUANT:
         enc = good(codec)
         with pytest.raises(CodecError, match="scale"):
-            decode(replace(enc, scales=enc.scales[:-2] + bad[codec == "int3_rot"]))
+            decode(replace(enc, scales=enc.scales[:-2] + bad))
 
 
 def test_unknown_codec_refused():

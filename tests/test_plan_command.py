@@ -116,9 +116,10 @@ def test_auto_plans_with_the_smallest_codecs_and_reports_each_links_choice() -> 
     settings = mm.Settings(micro_batch_size=2, context=256, in_flight=4)
     peers = [parse_peer(s) for s in ("8GiB,1gbit", "8GiB,1gbit", "8GiB,10mbit/1gbit")]
     report = plan_report(arch, settings, peers, wire_forward="auto", wire_backward="auto", stages=3, reserve=2**28)
-    # the smallest codec of the ladders (zstd on, the default), int3_rot: half a byte per element plain and a
-    # bf16 scale per 64 elements, gradients too (int4_rot's ~1e-7 gradients need fp32 scales, 4 bytes)
-    assert report["boundary_bytes_per_token"] == {"forward": 256 * (0.5 + 2 / 64), "backward": 256 * (0.5 + 2 / 64)}
+    # gradients (~1e-7) travel with fp32 scales: 4 bytes per 64-element block
+    # the smallest codec of the ladders (zstd on, the default), int3_rot: priced plain, as int4_rot, half a
+    # byte per element and a scale per 64 elements
+    assert report["boundary_bytes_per_token"] == {"forward": 256 * (0.5 + 2 / 64), "backward": 256 * (0.5 + 4 / 64)}
     links = {x["boundary"]: x for x in report["links"]}
     assert [p["peer"] for p in report["stages"]][0] == "pc2-8G"  # the slow uplink goes first: it sends least
     assert (links[0]["upstream"], links[0]["forward"], links[0]["forward_reason"]) == (

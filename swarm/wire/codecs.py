@@ -15,10 +15,9 @@ Codecs:
 * ``int4``: the same with 15 levels, two values per byte;
 * ``int4_rot``: ``int4`` after a seeded randomised Hadamard rotation of every block, which tames
   outliers; only the seed travels;
-* ``int3_rot``: ``int4_rot``'s layout with 7 levels (-3..3) instead of 15 and bf16 scales (2 bytes per
-  block for every tensor, gradients included): the same plain bytes, but codes of one bit less
-  information, so it pays only zstd-coded (``swarm.wire.entropy``), where it sends 30-47% fewer bytes
-  than ``int4_rot`` at 2.3x its error (docs/codecs.md, "int3_rot").
+* ``int3_rot``: ``int4_rot``'s layout with 7 levels (-3..3) instead of 15: the same plain bytes, but
+  codes of one bit less information, so it pays only zstd-coded (``swarm.wire.entropy``), where it
+  sends 30-47% fewer bytes than ``int4_rot`` at 2.3x its error (docs/codecs.md, "int3_rot").
 
 See ``docs/codecs.md`` for the layout, the error bound of each codec and measured speed;
 ``swarm.wire.error_feedback.ErrorFeedback`` keeps the quantisation error of gradients from accumulating.
@@ -50,9 +49,6 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 _STORAGE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _BITS = {"int8": 8, "int4": 4, "int4_rot": 4, "int3_rot": 4}  # bits per value in the payload
 _LEVELS = {"int8": 127, "int4": 7, "int4_rot": 7, "int3_rot": 3}  # largest |code|
-# Codecs whose scales are always bf16: steps of a third of a block's absmax drown bf16's <= 2**-6 lift,
-# and its fp32 range needs no fp32 fallback for gradients of ~1e-7 (2 bytes per block instead of 4).
-BF16_SCALED = frozenset({"int3_rot"})
 
 
 class CodecError(ValueError):
@@ -143,8 +139,8 @@ def _surely_below_fp16_scales(scales32: torch.Tensor) -> bool:
     return math.isfinite(top) and (top + 2.0**-24) * (1.0 + 2.0**-9) < quantize.FP16_SCALE_MIN
 
 
-def check_block_size(codec: str, block_size: object) -> int:
-    """Validate the block size of an integer codec; returns its bit width."""
+def _check_quant_params(codec: str, block_size: object, seed: object) -> int:
+    """Validate block size and seed of an integer codec; returns its bit width."""
     bits = _BITS[codec]
     if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise CodecError(f"block size {block_size!r} for codec {codec} must be an integer in [1, {MAX_BLOCK_SIZE}]")
@@ -152,12 +148,6 @@ def check_block_size(codec: str, block_size: object) -> int:
         raise CodecError(f"block size {block_size} for codec {codec} must be even (two values per byte)")
     if codec in ROTATED_CODECS and not is_power_of_two(block_size):
         raise CodecError(f"block size {block_size} for codec {codec} must be a power of two (Hadamard)")
-    return bits
-
-
-def _check_quant_params(codec: str, block_size: object, seed: object) -> int:
-    """Validate block size and seed of an integer codec; returns its bit width."""
-    bits = check_block_size(codec, block_size)
     if type(seed) is not int or not 0 <= seed <= MAX_SEED:
         raise CodecError(f"seed {seed!r} must be an unsigned 64-bit integer")
     return bits
@@ -211,13 +201,7 @@ def encode(
     levels = _LEVELS[codec]
     quantise = functools.partial(quantize.quantize, flat, bits, block_size, rotation, payload=out, levels=levels)
     payload, scales = None, None
-    if codec in BF16_SCALED:
-        payload, scales = quantise(torch.bfloat16)
-        if scales.numel() and not bool(torch.isfinite(scales).all()):
-            if not _all_finite(flat):
-                raise CodecError(f"tensor contains NaN or Inf, which codec {codec} cannot represent")
-            raise CodecError(f"values near float32's limit overflow codec {codec}'s rotation; use fp32 or bf16")
-    elif small:  # fp32 scales first; kept where fp16 ones would surely have been too small (the rule below)
+    if small:  # fp32 scales first; kept where fp16 ones would surely have been too small (the rule below)
         payload, scales = quantise(torch.float32)
         if not _surely_below_fp16_scales(scales):
             payload, scales = None, None
@@ -292,14 +276,7 @@ def _decode_quantised(enc: EncodedTensor, n: int, device: torch.device | str | N
             f"payload of {len(enc.payload)} bytes does not match shape {list(enc.shape)} "
             f"with codec {enc.codec} ({expected} bytes expected)"
         )
-    if enc.codec in BF16_SCALED:
-        if len(enc.scales) != 2 * nblocks:
-            raise CodecError(
-                f"scales of {len(enc.scales)} bytes do not match {nblocks} blocks of {enc.block_size} "
-                f"elements ({2 * nblocks} bytes of bf16 expected)"
-            )
-        scales = _from_bytes(enc.scales, torch.bfloat16, nblocks).float()
-    elif len(enc.scales) == 2 * nblocks:
+    if len(enc.scales) == 2 * nblocks:
         scales = _from_bytes(enc.scales, torch.float16, nblocks).float()
     elif len(enc.scales) == 4 * nblocks:  # fp32 scales: a tensor too large for fp16 ones
         scales = _from_bytes(enc.scales, torch.float32, nblocks)

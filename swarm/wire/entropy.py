@@ -8,10 +8,8 @@ decompress on one core: a tensor of 70 KB costs ~0.2 ms, against 56 ms on a 10 M
 "Entropy coding"). int8 codes shrank by 3-5% and bf16 by 19-22%; bf16 is what auto's ladder sends on fast
 links, where the time to compress would not be won back, so only 4-bit codes are coded.
 
-For ``int3_rot`` the scales are coded as well, in a second frame (``compress_scales``).
-
-The receiver never trusts the frame: its declared content size must equal the exact size the header
-implies (known before anything is allocated), and nothing may follow the frame.
+The receiver never trusts the frame: its declared content size must equal the exact payload size the
+header implies (known before anything is allocated), and nothing may follow the frame.
 """
 
 from __future__ import annotations
@@ -20,11 +18,6 @@ import zstandard
 
 LEVEL = 1  # level 3 took 1-3 points more off int4_rot activations, more slowly (one exploratory run)
 CODED = frozenset({"int4", "int4_rot", "int3_rot"})  # codecs whose payloads are zstd-coded when the run allows it
-# Codecs whose scales travel zstd-coded too, in a frame of their own (in one frame with the codes, they
-# spoil the codes' literal statistics and the two grow): int3_rot's bf16 scales, high bytes first, then
-# low bytes, since neighbouring blocks' high bytes (sign and exponent) nearly repeat. Raw, they were ~15%
-# of int3_rot's bytes; coded so, about half of that (on synthetic activations 4,096 -> 2,092 bytes).
-SCALES_CODED = frozenset({"int3_rot"})
 _compressor = zstandard.ZstdCompressor(level=LEVEL, write_content_size=True)
 
 
@@ -34,10 +27,6 @@ class EntropyError(ValueError):
 
 def worth_coding(codec: str) -> bool:
     return codec in CODED
-
-
-def codes_scales(codec: str) -> bool:
-    return codec in SCALES_CODED
 
 
 def compress(payload: bytes) -> bytes:
@@ -60,17 +49,3 @@ def decompress(data: bytes, expected: int) -> bytes:
     if len(out) != expected or not d.eof or d.unused_data:
         raise EntropyError(f"coded payload gave {len(out)} bytes (expected {expected}) or has trailing data")
     return out
-
-
-def compress_scales(scales: bytes) -> bytes:
-    """bf16 scales as one frame of their high bytes, then their low bytes (little-endian pairs in)."""
-    return _compressor.compress(scales[1::2] + scales[0::2])
-
-
-def decompress_scales(data: bytes, expected: int) -> bytes:
-    """The ``expected`` bytes of bf16 scales coded by :func:`compress_scales` (EntropyError otherwise)."""
-    planes = decompress(data, expected)
-    half = expected // 2
-    out = bytearray(expected)
-    out[1::2], out[0::2] = planes[:half], planes[half:]
-    return bytes(out)

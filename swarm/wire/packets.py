@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError, Message
 
 from swarm.pb import wire_pb2 as pb
 from swarm.wire import codecs, entropy
-from swarm.wire.quantize import num_blocks, payload_nbytes
+from swarm.wire.quantize import payload_nbytes
 
 MAX_FRAME_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
 DEFAULT_MAX_PACKET_BYTES = 512 << 20
@@ -75,26 +75,22 @@ def tensor_to_pb(x: torch.Tensor, codec: str, *, zstd: bool = False, **codec_opt
 
 def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor:
     coded = zstd and entropy.worth_coding(enc.codec)
-    payload, scales = enc.payload, enc.scales
-    if coded:
-        payload = entropy.compress(payload)
-        scales = entropy.compress_scales(scales) if entropy.codes_scales(enc.codec) else scales
     return pb.Tensor(
         shape=list(enc.shape),
         dtype=_DTYPE_TO_PB[enc.dtype],
         codec=codec_to_pb(enc.codec),
-        payload=payload,
-        scales=scales,
+        payload=entropy.compress(enc.payload) if coded else enc.payload,
+        scales=enc.scales,
         block_size=enc.block_size,
         seed=enc.seed,
         compression=pb.ZSTD if coded else pb.COMPRESSION_NONE,
     )
 
 
-def _payload_and_scales(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> tuple[bytes, bytes]:
-    """The codec's payload and scales, decompressed when coded: bounded by the size the header implies."""
+def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> bytes:
+    """The codec's payload, decompressed when coded: bounded by the size the header implies."""
     if msg.compression == pb.COMPRESSION_NONE:
-        return msg.payload, msg.scales
+        return msg.payload
     if msg.compression != pb.ZSTD:
         raise WireError(f"unknown compression id {msg.compression}")
     if not entropy.worth_coding(codec):
@@ -103,16 +99,9 @@ def _payload_and_scales(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_
     if n > max_elements:
         raise WireError(f"tensor of {n} elements exceeds the limit of {max_elements}")
     try:
-        payload = entropy.decompress(msg.payload, payload_nbytes(n, 4))  # every coded codec is 4-bit
+        return entropy.decompress(msg.payload, payload_nbytes(n, 4))  # every coded codec is 4-bit
     except entropy.EntropyError as e:
         raise WireError(str(e)) from e
-    if not entropy.codes_scales(codec):
-        return payload, msg.scales
-    try:
-        codecs.check_block_size(codec, msg.block_size)  # before its arithmetic sizes the scales' frame
-        return payload, entropy.decompress_scales(msg.scales, 2 * num_blocks(n, msg.block_size))  # bf16
-    except (codecs.CodecError, entropy.EntropyError) as e:
-        raise WireError(f"scales: {e}") from e
 
 
 def tensor_from_pb(
@@ -137,13 +126,12 @@ def tensor_from_pb(
     if expect_dtype is not None and dtype != expect_dtype:
         raise WireError(f"dtype {dtype} does not match the expected {expect_dtype}")
     codec = codec_from_pb(msg.codec)
-    payload, scales = _payload_and_scales(msg, codec, shape, max_elements)
     enc = codecs.EncodedTensor(
         codec=codec,
         shape=shape,
         dtype=dtype,
-        payload=payload,
-        scales=scales,
+        payload=_payload(msg, codec, shape, max_elements),
+        scales=msg.scales,
         block_size=msg.block_size,
         seed=msg.seed,
     )

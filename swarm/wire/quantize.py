@@ -16,11 +16,7 @@ Layout (the wire format of ``int8``, ``int4`` and ``int4_rot``):
   element ``2i`` in the low nibble and ``2i + 1`` in the high nibble; an odd tail leaves the last high
   nibble 0;
 * with a rotation (``int4_rot``) every *full* block is quantised as ``H D x / sqrt(B)`` and restored
-  with ``D H y / sqrt(B)``; a trailing partial block is plain int4;
-* ``int3_rot`` (7 levels) carries bf16 scales, always: the bf16 value at or just above ``absmax_b / L``
-  (at most 2**-6 relative above it, against steps of a third of the block's absmax, so the scale's
-  rounding is noise beside the codes'), with fp32's exponent range, so no tensor needs fp32 scales and
-  gradients of ~1e-7 travel with 2 bytes per block instead of 4.
+  with ``D H y / sqrt(B)``; a trailing partial block is plain int4.
 
 Speed is the point of this module, because the encoder and decoder sit on the critical path of every
 micro-batch. On CPU the work is streamed in chunks of ``CPU_CHUNK_ELEMS`` elements through scratch
@@ -47,7 +43,6 @@ LEVELS = {8: 127, 4: 7}
 CPU_CHUNK_ELEMS = 1 << 17  # 512 KiB of float32: input, two scratch buffers and output fit in L2
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds |v| < 2**22 to an integer held in the low bits
 _SCALE_MARGIN = 1.0 + 2.0**-10  # lifts absmax / L past the next fp16 step: fp16 rounding never goes below
-_BF16_SCALE_MARGIN = 1.0 + 2.0**-7  # the same for bf16, whose steps are 8x coarser
 FP16_SCALE_MIN = 2.0**-10  # a tensor whose largest fp16 scale is below this is sent with fp32 scales
 _FP32_SCALE_FLOOR = 2.0**-100  # fp32 scales' floor: keeps 1 / s finite, far below any block that matters
 # The same for subnormal fp16 scales (spacing 2**-24): just past the tie, so even an all-zero block
@@ -116,10 +111,10 @@ def quantize(
     """Quantise a flat contiguous float tensor; returns ``(payload, scales)`` on its device.
 
     ``payload`` is int8 (``bits=8``) or packed uint8 (``bits=4``); ``scales`` is ``scale_dtype`` (fp16,
-    fp32 for values beyond fp16 scales, bf16 for ``int3_rot``), one per block. A ``payload`` passed in (of
-    that dtype and :func:`payload_nbytes` elements, e.g. the memory of the ``bytes`` that will travel) is
-    filled instead of a new one. ``levels`` is the largest code, ``LEVELS[bits]`` unless fewer are asked
-    for (``int3_rot`` packs codes in -3..3 as int4 does).
+    or fp32 for values beyond fp16 scales), one per block. A ``payload`` passed in (of that dtype and
+    :func:`payload_nbytes` elements, e.g. the memory of the ``bytes`` that will travel) is filled instead
+    of a new one. ``levels`` is the largest code, ``LEVELS[bits]`` unless fewer are asked for (``int3_rot``
+    packs codes in -3..3 as int4 does).
     Non-finite input is not refused here: it shows up as non-finite scales, which the caller checks.
     """
     n = flat.numel()
@@ -132,7 +127,6 @@ def quantize(
         payload = torch.empty(payload_nbytes(n, bits), dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
     offset = torch.full((), _ROUND_MAGIC + (8 if bits == 4 else 0), device=device)
     floor = torch.full((), _SCALE_FLOOR if scale_dtype == torch.float16 else _FP32_SCALE_FLOOR, device=device)
-    margin = _BF16_SCALE_MARGIN if scale_dtype == torch.bfloat16 else _SCALE_MARGIN
     rotated = rotation is not None
     if full:
         rows = _rows_per_chunk(full, block_size, device)
@@ -152,19 +146,18 @@ def quantize(
             if rotated:
                 x = rotation.forward(x, b[:k], c[:k])  # lands in b or c, never a
             abuf = a[:k] if rotated else b[:k]
-            _quantize_rows(x, levels, gain * margin, gain, floor, offset, s, dest, abuf, vec[:k])
+            _quantize_rows(x, levels, gain, floor, offset, s, dest, abuf, vec[:k])
     if tail:
         x = flat[full * block_size :].view(1, tail).float()
         dest = payload[_tail_bytes(full * block_size, bits)]
         abuf, vec = torch.empty_like(x), torch.empty(1, device=device)
-        _quantize_rows(x, levels, margin, 1.0, floor, offset, scales[full:], dest, abuf, vec)
+        _quantize_rows(x, levels, 1.0, floor, offset, scales[full:], dest, abuf, vec)
     return payload, scales
 
 
 def _quantize_rows(
     x: torch.Tensor,
     levels: int,
-    lift: float,
     gain: float,
     floor: torch.Tensor,
     offset: torch.Tensor,
@@ -176,12 +169,11 @@ def _quantize_rows(
     """Quantise the rows of ``x`` (one block each) into ``dest``, scales into ``scales_out``.
 
     ``gain`` multiplies ``x`` before quantisation (the rotation's ``1 / sqrt(B)``, folded in here so the
-    transform itself stays unnormalised); ``lift`` is ``gain`` times the scale dtype's rounding margin.
-    ``abuf`` and ``vec`` are scratch and must not alias ``x``.
+    transform itself stays unnormalised). ``abuf`` and ``vec`` are scratch and must not alias ``x``.
     """
     torch.abs(x, out=abuf)
     torch.amax(abuf, dim=1, out=vec)
-    _scales_from_absmax(vec, levels, lift, gain, floor, scales_out)
+    _scales_from_absmax(vec, levels, gain, floor, scales_out)
     torch.mul(x, vec[:, None], out=abuf)
     abuf.add_(offset)  # offset + round(x * gain / s) in the low bits (one addcmul is 3x slower on CPU)
     ints = abuf.view(torch.int32).view(-1)
@@ -192,15 +184,14 @@ def _quantize_rows(
 
 
 def _scales_from_absmax(
-    vec: torch.Tensor, levels: int, lift: float, gain: float, floor: torch.Tensor, scales_out: torch.Tensor
+    vec: torch.Tensor, levels: int, gain: float, floor: torch.Tensor, scales_out: torch.Tensor
 ) -> None:
     """Row absmax in ``vec`` -> scales in ``scales_out``; ``vec`` becomes ``gain / scale``, the multiplier.
 
-    The fp16 (bf16) rounding of these scales decides every byte on the wire (pinned by
-    tests/test_codec_golden.py).
+    The fp16 rounding of these scales decides every byte on the wire (pinned by tests/test_codec_golden.py).
     """
-    torch.add(floor, vec, alpha=lift / levels, out=vec)
-    scales_out.copy_(vec)  # round to fp16, bf16 or fp32: >= absmax / L, > 0 (inf if it overflows fp16)
+    torch.add(floor, vec, alpha=gain * _SCALE_MARGIN / levels, out=vec)
+    scales_out.copy_(vec)  # round to fp16 (or fp32): >= absmax / L, > 0 (inf if it overflows fp16)
     vec.copy_(scales_out).reciprocal_()  # 1 / the scale the receiver will see
     if gain != 1.0:
         vec.mul_(gain)
