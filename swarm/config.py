@@ -26,7 +26,7 @@ SCHEDULES = ("sync", "async")
 # On models narrower than WIDE_FROM (gpt-small, width 128) 4-bit activations cost +2.4-3.2% (3 seeds), so
 # auto's activation ladder stops at int8 there; 4-bit gradients behind int8 activations stayed within 2%.
 # int3_rot/int3_rot (+0.48%, 3 seeds, gpt-medium) pays only zstd-coded and was measured only on wide models,
-# so it ends both ladders of a wide model whose codes travel zstd-coded (``ladders``).
+# so it ends both ladders of a wide model whose codes travel zstd-coded (``forward_ladder``, ``backward_ladder``).
 WIRE_AUTO = "auto"
 AUTO_FORWARD_LADDER = ("bf16", "int8", "int4_rot")
 AUTO_BACKWARD_LADDER = ("bf16", "int8", "int4_rot")
