@@ -6,7 +6,8 @@ benchmark trains gpt-medium unsplit in this process (AdamW, the swarm's recipe, 
 step) and, at the steps asked for, keeps the output of layers 1 and 3 (the boundaries of a 3-peer split)
 and the gradient of the loss w.r.t. them, for one micro-batch of 4 x 128 as the wire carries it. Each is
 encoded with each codec (gradients with the fp32-scale hint, as a stage sends them) and its payload
-zstd-compressed (the scales travel raw, as on the wire); the table gives payload + scales coded over
+zstd-compressed; the scales of the 4-bit codecs are coded as the wire codes them (byte planes,
+``swarm.wire.entropy.compress_planes``), the others' stay raw. The table gives payload + scales coded over
 plain, the relative error ``||decode - x|| / ||x||``, the coded bytes per token (one token is one row of
 ``d_model`` values) and the single-core speeds (median of ``--repeats``, MB/s of plain payload).
 
@@ -25,7 +26,9 @@ import zstandard
 from swarm.config import MODEL_PRESETS
 from swarm.train.data import Corpus
 from swarm.train.model import full_model
+from swarm.wire import entropy
 from swarm.wire.codecs import decode, encode
+from swarm.wire.quantize import num_blocks
 
 BOUNDARIES = (1, 3)  # the outputs of a 3-peer split of 6 layers
 
@@ -94,12 +97,14 @@ def main(argv: list[str] | None = None) -> None:
             raw, plain = enc.payload, len(enc.payload) + len(enc.scales)
             err = float((decode(enc) - x).norm() / x.norm())
             z = comp.compress(raw)
-            per_token = (len(z) + len(enc.scales)) / (x.numel() // x.shape[-1])
+            planes = entropy.compress_planes(enc.scales, num_blocks(x.numel(), enc.block_size) if enc.block_size else 0)
+            scales = len(enc.scales) if planes is None or codec not in entropy.CODED else len(planes)
+            per_token = (len(z) + scales) / (x.numel() // x.shape[-1])
             c = _median_seconds(lambda raw=raw: comp.compress(raw), args.repeats)
             d = _median_seconds(lambda z=z: dec.decompress(z), args.repeats)
             print(
                 f"| {step} | {i} | {kind} | {codec} | {err:.4f} | {plain / x.numel():.3f} "
-                f"| {(len(z) + len(enc.scales)) / plain:.3f} | {per_token:.1f} "
+                f"| {(len(z) + scales) / plain:.3f} | {per_token:.1f} "
                 f"| {len(raw) / c / 1e6:,.0f} | {len(raw) / d / 1e6:,.0f} |"
             )
 

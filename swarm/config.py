@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 # 6: a stale backward uses the weights its forward saw (no weight_stashing flag, no recompute)
 # 7: 4-bit payloads may travel zstd-coded (Tensor.compression, TrainConfig.wire_zstd)
 # 8: codec INT3_ROT (a peer of 7 would refuse its packets mid-run instead of at Hello)
-PROTOCOL_VERSION = 8
+# 9: the scales of zstd-coded tensors may travel coded too (Tensor.scales_compression), as byte planes
+PROTOCOL_VERSION = 9
 SCHEDULES = ("sync", "async")
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,

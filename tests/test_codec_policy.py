@@ -141,6 +141,19 @@ def test_a_small_gradient_is_quantised_once(passes: list[torch.dtype], codec: st
     assert float((y - grad).norm() / grad.norm()) < 0.2
 
 
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_coded_scales_do_not_hide_that_a_links_gradients_are_small(passes: list[torch.dtype], error_feedback: bool):
+    """With zstd the scales travel coded, shorter than 4 bytes per block: the link must still remember
+    that its last gradient had fp32 scales, or every later gradient is quantised twice."""
+    policy = WirePolicy("fp32", "int3_rot", zstd=True, error_feedback=error_feedback)
+    grad = torch.randn(4, 128, 256) * 1e-7
+    for i in range(3):
+        passes.clear()
+        packet = policy.gradients(pb.MicroBatch(id=i), grad, to="up")
+        assert packet.gradients.grad.scales_compression == pb.ZSTD_PLANES
+        assert passes == [torch.float32], i
+
+
 def test_a_link_whose_gradients_are_not_small_stops_trying_fp32_scales_first(passes: list[torch.dtype]) -> None:
     """A wrong guess costs the second pass once, not on every gradient: the link remembers the last one."""
     policy = WirePolicy("fp32", "int8")

@@ -36,8 +36,28 @@ def test_coded_payloads_decode_to_exactly_the_same_tensor_and_are_smaller(codec:
     plain, z = tensor_to_pb(x, codec, block_size=64, seed=7), coded(x, codec)
     assert z.compression == pb.ZSTD and plain.compression == pb.COMPRESSION_NONE
     assert len(z.payload) < 0.95 * len(plain.payload)
-    assert z.scales == plain.scales
     assert torch.equal(tensor_from_pb(z), tensor_from_pb(plain))
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["fp16 scales", "fp32 scales"])
+def test_coded_scales_travel_as_byte_planes_and_decode_to_exactly_the_same_tensor(small: bool) -> None:
+    """Scales are 15-20% of what int3_rot sends once its codes are coded; their high bytes (sign, exponent)
+    take few values, so zstd over byte planes takes a quarter off fp16 scales, a sixth off fp32 ones."""
+    x = activations() * (1e-7 if small else 1.0)  # gradients w.r.t. hidden states are ~1e-7: fp32 scales
+    plain = tensor_to_pb(x, "int3_rot", block_size=64, seed=7, small=small)
+    z = tensor_to_pb(x, "int3_rot", zstd=True, block_size=64, seed=7, small=small)
+    nblocks = x.numel() // 64
+    assert len(plain.scales) == (4 if small else 2) * nblocks
+    assert z.scales_compression == pb.ZSTD_PLANES and plain.scales_compression == pb.COMPRESSION_NONE
+    assert len(z.scales) < 0.9 * len(plain.scales)
+    assert torch.equal(tensor_from_pb(z), tensor_from_pb(plain))
+
+
+def test_scales_that_zstd_would_not_shrink_travel_raw() -> None:
+    x = torch.randn(2, 64)  # two blocks: a frame's header alone outweighs four bytes of scales
+    z = tensor_to_pb(x, "int3_rot", zstd=True, block_size=64, seed=7)
+    assert z.compression == pb.ZSTD and z.scales_compression == pb.COMPRESSION_NONE and len(z.scales) == 4
+    assert torch.equal(tensor_from_pb(z), tensor_from_pb(tensor_to_pb(x, "int3_rot", block_size=64, seed=7)))
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
@@ -83,14 +103,21 @@ def _declaring(frame: bytes, size: int) -> bytes:
 def test_hostile_coded_payloads_are_refused_with_a_reason() -> None:
     z = coded(activations())
     n = len(zstandard.ZstdDecompressor().decompress(z.payload))
+    int8 = coded(activations(), "int8")
     bad = {
         "unknown compression id": _with(z, compression=9),
-        "is never zstd-coded": _with(coded(activations(), "int8"), compression=pb.ZSTD),
+        "is never zstd-coded": _with(int8, compression=pb.ZSTD),
         "not a zstd frame": _with(z, payload=b"\x00" * 64),
         "declares": _with(z, payload=_declaring(z.payload, n // 2)),
         "trailing data": _with(z, payload=z.payload + b"junk"),
         "corrupt|gave 0 bytes": _with(z, payload=z.payload[: len(z.payload) // 2]),
         "exceeds the limit": _with(z, shape=[1 << 20, 1 << 10]),
+        "scales of a payload that is not zstd-coded": _with(int8, scales_compression=pb.ZSTD_PLANES),
+        "unknown compression id 7 for the scales": _with(z, scales_compression=7),
+        "the scales' frame is not a zstd frame": _with(z, scales=b"\x00" * 64),
+        "the scales' frame declares": _with(z, scales=_declaring(z.scales, 3 * len(activations()[0, 0]))),
+        "the scales' frame .*trailing data": _with(z, scales=z.scales + b"junk"),
+        "block size 0": _with(z, block_size=0),
     }
     for reason, msg in bad.items():
         with pytest.raises(WireError, match=reason):
@@ -111,6 +138,31 @@ def test_a_frame_that_declares_the_right_size_but_holds_more_stops_at_the_declar
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, peak
+
+
+def test_coded_scales_that_declare_the_right_size_but_hold_more_stop_at_the_declared_size() -> None:
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))
+    small = coded(activations())
+    assert small.scales_compression == pb.ZSTD_PLANES
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError):
+            tensor_from_pb(_with(small, scales=_declaring(bomb, 2 * activations().numel() // 64)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=4096))
+def test_any_bytes_as_coded_scales_give_a_tensor_or_a_wire_error(data: bytes) -> None:
+    msg = _with(coded(torch.randn(64, 64)), scales=data, scales_compression=pb.ZSTD_PLANES)
+    try:
+        out = tensor_from_pb(msg)
+    except WireError:
+        return
+    assert out.shape == (64, 64)
 
 
 @settings(max_examples=200, deadline=None)

@@ -34,6 +34,7 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMPRESSION_NONE: _ClassVar[Compression]
     ZSTD: _ClassVar[Compression]
+    ZSTD_PLANES: _ClassVar[Compression]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -53,9 +54,10 @@ RAW: Codec
 INT3_ROT: Codec
 COMPRESSION_NONE: Compression
 ZSTD: Compression
+ZSTD_PLANES: Compression
 
 class Tensor(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed", "compression")
+    __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed", "compression", "scales_compression")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,7 @@ class Tensor(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    SCALES_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
@@ -72,7 +75,8 @@ class Tensor(_message.Message):
     block_size: int
     seed: int
     compression: Compression
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    scales_compression: Compression
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., scales_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("id", "step", "index", "weight_version", "eval")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, QUANT_CODECS
+from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, QUANT_CODECS, encode
 from swarm.wire.error_feedback import ErrorFeedback
 from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
 from swarm.wire.quantize import num_blocks
@@ -68,16 +68,16 @@ class WirePolicy:
             options = self._options(codec, mb)
             if options:  # quantise once: fp32 scales first while this link's last gradient needed them
                 options["small"] = self._small.get(to, True)  # gradients w.r.t. hidden states are ~1e-7
-            if codec in LOSSY and self.error_feedback:
-                try:
+            try:
+                if codec in LOSSY and self.error_feedback:
                     enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, codec, **options)
-                except ValueError as e:
-                    raise WireError(str(e)) from e
-                msg.grad.CopyFrom(encoded_to_pb(enc, zstd=self.zstd))
-            else:
-                msg.grad.CopyFrom(tensor_to_pb(grad, codec, zstd=self.zstd, **options))
-            if options:
-                self._small[to] = len(msg.grad.scales) == 4 * num_blocks(grad.numel(), self.block_size)
+                else:
+                    enc = encode(grad, codec, **options)
+            except ValueError as e:  # CodecError, or error feedback's own refusal
+                raise WireError(str(e)) from e
+            msg.grad.CopyFrom(encoded_to_pb(enc, zstd=self.zstd))
+            if options:  # from the scales as quantised: on the wire they may be zstd-coded, and shorter
+                self._small[to] = len(enc.scales) == 4 * num_blocks(grad.numel(), self.block_size)
             self.sent[f"backward:{codec}"] += 1
         return pb.Packet(gradients=msg)
 

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError, Message
 
 from swarm.pb import wire_pb2 as pb
 from swarm.wire import codecs, entropy
-from swarm.wire.quantize import payload_nbytes
+from swarm.wire.quantize import num_blocks, payload_nbytes
 
 MAX_FRAME_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
 DEFAULT_MAX_PACKET_BYTES = 512 << 20
@@ -74,17 +74,32 @@ def tensor_to_pb(x: torch.Tensor, codec: str, *, zstd: bool = False, **codec_opt
 
 
 def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor:
+    """The wire Tensor of ``enc``; ``zstd``: a 4-bit codec's payload and scales go zstd-coded (lossless)."""
     coded = zstd and entropy.worth_coding(enc.codec)
+    scales = None
+    if coded:
+        scales = entropy.compress_planes(enc.scales, num_blocks(codecs.numel_of(enc.shape), enc.block_size))
     return pb.Tensor(
         shape=list(enc.shape),
         dtype=_DTYPE_TO_PB[enc.dtype],
         codec=codec_to_pb(enc.codec),
         payload=entropy.compress(enc.payload) if coded else enc.payload,
-        scales=enc.scales,
+        scales=enc.scales if scales is None else scales,
         block_size=enc.block_size,
         seed=enc.seed,
         compression=pb.ZSTD if coded else pb.COMPRESSION_NONE,
+        scales_compression=pb.COMPRESSION_NONE if scales is None else pb.ZSTD_PLANES,
     )
+
+
+def _coded_numel(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> int:
+    """The element count of a coded tensor, once its codec may be coded and the count is within bounds."""
+    if not entropy.worth_coding(codec):
+        raise WireError(f"codec {codec} is never zstd-coded; only {', '.join(sorted(entropy.CODED))} are")
+    n = codecs.numel_of(shape)
+    if n > max_elements:
+        raise WireError(f"tensor of {n} elements exceeds the limit of {max_elements}")
+    return n
 
 
 def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> bytes:
@@ -93,13 +108,26 @@ def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: i
         return msg.payload
     if msg.compression != pb.ZSTD:
         raise WireError(f"unknown compression id {msg.compression}")
-    if not entropy.worth_coding(codec):
-        raise WireError(f"codec {codec} is never zstd-coded; only {', '.join(sorted(entropy.CODED))} are")
-    n = codecs.numel_of(shape)
-    if n > max_elements:
-        raise WireError(f"tensor of {n} elements exceeds the limit of {max_elements}")
+    n = _coded_numel(msg, codec, shape, max_elements)
     try:
         return entropy.decompress(msg.payload, payload_nbytes(n, 4))  # every coded codec is 4-bit
+    except entropy.EntropyError as e:
+        raise WireError(str(e)) from e
+
+
+def _scales(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> bytes:
+    """The codec's scales, decompressed when coded: 2 or 4 bytes per block of the header, never more."""
+    if msg.scales_compression == pb.COMPRESSION_NONE:
+        return msg.scales
+    if msg.scales_compression != pb.ZSTD_PLANES:
+        raise WireError(f"unknown compression id {msg.scales_compression} for the scales")
+    if msg.compression != pb.ZSTD:
+        raise WireError("coded scales of a payload that is not zstd-coded")
+    n = _coded_numel(msg, codec, shape, max_elements)
+    if not 1 <= msg.block_size <= codecs.MAX_BLOCK_SIZE:
+        raise WireError(f"block size {msg.block_size} must be in [1, {codecs.MAX_BLOCK_SIZE}]")
+    try:
+        return entropy.decompress_planes(msg.scales, num_blocks(n, msg.block_size))
     except entropy.EntropyError as e:
         raise WireError(str(e)) from e
 
@@ -131,7 +159,7 @@ def tensor_from_pb(
         shape=shape,
         dtype=dtype,
         payload=_payload(msg, codec, shape, max_elements),
-        scales=msg.scales,
+        scales=_scales(msg, codec, shape, max_elements),
         block_size=msg.block_size,
         seed=msg.seed,
     )
