@@ -37,6 +37,7 @@ DEFAULT_RESERVE_GIB = 1.0
 MEMORY_UNITS = {"gib": 1 << 30, "gb": 1e9, "mib": 1 << 20, "mb": 1e6, "tib": 1 << 40, "tb": 1e12}
 LINK_UNITS = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
 _AMOUNT = r"(\d+(?:\.\d+)?)"
+ZSTD = TrainConfig().wire_zstd  # no --wire-zstd here: the plan is that of a run with the default (codes coded)
 
 
 class SpecError(ValueError):
@@ -102,7 +103,7 @@ def plan_report(
     reserve: float = DEFAULT_RESERVE_GIB * (1 << 30),
 ) -> dict:
     """The plan as plain data (what ``--json`` prints); raises ``PlacementError`` with a one-line reason."""
-    spec = hf_model_spec(arch, settings, wire_forward, wire_backward, zstd=True)  # runs code unless told not to
+    spec = hf_model_spec(arch, settings, wire_forward, wire_backward, zstd=ZSTD)
     tokens_hidden = float(settings.tokens * arch.hidden)  # values per micro-batch across a boundary
     flops = mm.layer_flops(arch, settings)
     overhead = mm.stage_overhead_bytes(arch, settings)
@@ -157,8 +158,8 @@ def plan_report(
         tokens_hidden,
         wire_forward,
         wire_backward,
-        forward_ladder(arch.hidden, zstd=True),
-        backward_ladder(arch.hidden, zstd=True),
+        forward_ladder(arch.hidden, zstd=ZSTD),
+        backward_ladder(arch.hidden, zstd=ZSTD),
     )
     slow = placement.blocks[placement.bottleneck]
     slow_row = next(r for r in rows if r["peer"] == slow.peer_ids[0])
@@ -174,8 +175,8 @@ def plan_report(
         },
         "stages": rows,
         "boundary_bytes_per_token": {  # as planned: under auto, the ladder's smallest codec
-            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=True)[0],
-            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=True)[1],
+            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=ZSTD)[0],
+            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=ZSTD)[1],
         },
         "links": [asdict(x) for x in links],  # each link's codecs (coordinator/wire_choice.py)
         "layer_flops_per_micro_batch": flops,

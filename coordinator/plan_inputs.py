@@ -86,12 +86,12 @@ def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:
         return mm.Arch.from_config({"model_type": "gpt2", **gpt2, "vocab_size": model.vocab_size})
 
 
-def wire_bytes(wire_forward: str, wire_backward: str, width: int, zstd: bool = False) -> tuple[float, float]:
+def wire_bytes(wire_forward: str, wire_backward: str, width: int, *, zstd: bool) -> tuple[float, float]:
     """Bytes per element the planner sizes each direction with (``auto``: its ladder's smallest codec, for a
     model ``width`` wide whose 3- and 4-bit codes travel zstd-coded or not); plain sizes, before zstd."""
     return (
-        CODEC_BYTES[planned_codec(wire_forward, forward_ladder(width, zstd))],
-        GRADIENT_CODEC_BYTES[planned_codec(wire_backward, backward_ladder(width, zstd))],
+        CODEC_BYTES[planned_codec(wire_forward, forward_ladder(width, zstd=zstd))],
+        GRADIENT_CODEC_BYTES[planned_codec(wire_backward, backward_ladder(width, zstd=zstd))],
     )
 
 
@@ -103,13 +103,13 @@ def boundary_elements(model: ModelConfig, train: TrainConfig, hf: HFConfig | Non
 
 
 def hf_model_spec(
-    arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str, zstd: bool = False
+    arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str, *, zstd: bool
 ) -> ModelSpec:
     """Per-layer memory and cost of a checkpoint (embedding on layer 0, head and logits on the last; the last
     block keeps one micro-batch's activations, the others every one in flight)."""
     per_token = settings.tokens * arch.hidden
     n_b = arch.n_layers - 1
-    fwd, bwd = wire_bytes(wire_forward, wire_backward, arch.hidden, zstd)
+    fwd, bwd = wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=zstd)
     return ModelSpec(
         layer_cost=mm.layer_costs(arch, settings),
         layer_memory=mm.layer_memory(arch, settings),
@@ -125,12 +125,12 @@ def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = Non
     if hf is not None:
         arch = hf_arch(model, hf)
         settings = hf_settings(model, train, hf)
-        return hf_model_spec(arch, settings, train.wire_forward, train.wire_backward, train.wire_zstd)
+        return hf_model_spec(arch, settings, train.wire_forward, train.wire_backward, zstd=train.wire_zstd)
     d, tokens = model.d_model, train.micro_batch_size * model.context
     params = 12 * d * d  # attention (4 d^2) + MLP (8 d^2) per layer
     weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
     activations = tokens * d * ACTIVATION_TENSORS_PER_LAYER * 4 * train.in_flight_limit
-    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward, d, train.wire_zstd)
+    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward, d, zstd=train.wire_zstd)
     return ModelSpec.uniform(
         model.n_layers,
         layer_memory=float(weights + activations),

@@ -117,7 +117,7 @@ class Planning:
             peers = {p: self.links_from[p] for p in holders}
             train = self.s.train
             width, zstd = self.s.model.d_model, train.wire_zstd
-            ladders = forward_ladder(width, zstd), backward_ladder(width, zstd)
+            ladders = forward_ladder(width, zstd=zstd), backward_ladder(width, zstd=zstd)
             choices = choose_links(ids, peers, spec, elements, train.wire_forward, train.wire_backward, *ladders)
             return [asdict(c) for c in choices]
         old = self.plan.links if self.plan is not None else []

@@ -36,14 +36,14 @@ CODED_RUNG = "int3_rot"  # the rung below int4_rot where zstd codes the codes
 WIDE_FROM = 256  # d_model from which 4-bit activations stay within 2% of fp32 (docs/codecs.md)
 
 
-def forward_ladder(d_model: int, zstd: bool = False) -> tuple[str, ...]:
+def forward_ladder(d_model: int, *, zstd: bool) -> tuple[str, ...]:
     """The activation codecs auto may pick for a model ``d_model`` wide, least lossy first."""
     if d_model < WIDE_FROM:
         return NARROW_FORWARD_LADDER
     return (*AUTO_FORWARD_LADDER, CODED_RUNG) if zstd else AUTO_FORWARD_LADDER
 
 
-def backward_ladder(d_model: int, zstd: bool = False) -> tuple[str, ...]:
+def backward_ladder(d_model: int, *, zstd: bool) -> tuple[str, ...]:
     """The gradient codecs auto may pick for a model ``d_model`` wide, least lossy first."""
     return (*AUTO_BACKWARD_LADDER, CODED_RUNG) if zstd and d_model >= WIDE_FROM else AUTO_BACKWARD_LADDER
 

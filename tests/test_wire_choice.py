@@ -135,16 +135,17 @@ def test_on_a_real_placement_every_adjacent_pair_gets_a_link() -> None:
 def test_a_narrow_model_never_sends_4_bit_activations() -> None:
     """Below width 256 4-bit activations cost more than 2% (docs/codecs.md): auto's activation ladder ends
     at int8 there, even on a link too slow for it; gradients keep int4_rot."""
-    assert forward_ladder(128) == ("bf16", "int8") and forward_ladder(256) == AUTO_FORWARD_LADDER
+    assert forward_ladder(128, zstd=False) == ("bf16", "int8")
+    assert forward_ladder(256, zstd=False) == AUTO_FORWARD_LADDER
     stages, peers = chain(peer("a", up_mbit=10.0, down_mbit=10.0), peer("b", up_mbit=10.0, down_mbit=10.0))
-    wide = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", forward_ladder(256))
-    narrow = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", forward_ladder(128))
+    wide = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", forward_ladder(256, zstd=False))
+    narrow = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", forward_ladder(128, zstd=False))
     assert (wide[0].forward, wide[0].forward_reason) == ("int4_rot", LINK_BOUND)
     assert (narrow[0].forward, narrow[0].forward_reason) == ("int8", LINK_BOUND)
     assert narrow[0].backward == wide[0].backward == "int4_rot"
     # the planner sizes an auto boundary with the smallest codec auto may pick on that model
-    assert wire_bytes("auto", "auto", 128) == (CODEC_BYTES["int8"], GRADIENT_CODEC_BYTES["int4_rot"])
-    assert wire_bytes("auto", "auto", 4096) == (CODEC_BYTES["int4_rot"], GRADIENT_CODEC_BYTES["int4_rot"])
+    assert wire_bytes("auto", "auto", 128, zstd=False) == (CODEC_BYTES["int8"], GRADIENT_CODEC_BYTES["int4_rot"])
+    assert wire_bytes("auto", "auto", 4096, zstd=False) == (CODEC_BYTES["int4_rot"], GRADIENT_CODEC_BYTES["int4_rot"])
     # with zstd, int3_rot ends both wide ladders, priced plain: int4_rot's size both ways
     assert wire_bytes("auto", "auto", 128, zstd=True) == (CODEC_BYTES["int8"], GRADIENT_CODEC_BYTES["int4_rot"])
     assert wire_bytes("auto", "auto", 4096, zstd=True) == (CODEC_BYTES["int3_rot"], GRADIENT_CODEC_BYTES["int3_rot"])
@@ -160,7 +161,8 @@ def test_with_zstd_a_link_bound_wide_link_sends_int3_rot_and_a_fitting_one_keeps
     int4_rot fits, the less lossy int4_rot stays, since plain sizes cannot tell the two apart."""
     assert forward_ladder(256, zstd=True) == ("bf16", "int8", "int4_rot", "int3_rot")
     assert backward_ladder(256, zstd=True) == ("bf16", "int8", "int4_rot", "int3_rot")
-    assert forward_ladder(256) == AUTO_FORWARD_LADDER and backward_ladder(256) == AUTO_BACKWARD_LADDER
+    assert forward_ladder(256, zstd=False) == AUTO_FORWARD_LADDER
+    assert backward_ladder(256, zstd=False) == AUTO_BACKWARD_LADDER
     # narrow models: int3_rot was not measured there, so neither ladder gets it
     assert forward_ladder(128, zstd=True) == ("bf16", "int8")
     assert backward_ladder(128, zstd=True) == AUTO_BACKWARD_LADDER
@@ -173,7 +175,7 @@ def test_with_zstd_a_link_bound_wide_link_sends_int3_rot_and_a_fitting_one_keeps
         "int3_rot",
         LINK_BOUND,
     )
-    plain_ladders = forward_ladder(256), backward_ladder(256)
+    plain_ladders = forward_ladder(256, zstd=False), backward_ladder(256, zstd=False)
     plain = choose_links(stages, peers, no_links(2), ELEMENTS, "auto", "auto", *plain_ladders)
     assert (plain[0].forward, plain[0].backward) == ("int4_rot", "int4_rot")
     stages, peers = chain(peer("a", up_mbit=80.0, down_mbit=80.0), peer("b", up_mbit=80.0, down_mbit=80.0))
