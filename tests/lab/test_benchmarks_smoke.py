@@ -79,3 +79,35 @@ def test_torch_bf16_boundary_computes_ravn_bf16_wire(lab_ok, tmp_path):
     # bf16 hidden states: 2 bytes x 64 per token across two links each way, plus headers
     assert 0.7 * 2 * 2 * 64 * 2 <= torch_run.wire_bytes_per_token < 3 * 2 * 2 * 64 * 2, torch_run.host_bytes
     assert len(torch_run.step_ends) == workload.steps and time_to_target.seconds_per_step(torch_run, 1) > 0
+
+
+@pytest.mark.lab
+def test_wire_bytes_by_part_of_the_run_are_counted_per_window(lab_ok, tmp_path):
+    """benchmarks/wire_thirds.py: each window of steps gets its own kernel bytes, and they add up."""
+    from benchmarks import wire_thirds
+    from benchmarks.pipeline_common import Workload
+
+    workload = Workload(model="gpt-tiny", steps=6, micro_batches=4, micro_batch_size=2, eval_every=7)
+    # 10 Mbit/s links: the tiny model's steps last long enough for the counters' 0.1 s samples
+    base = wire_thirds.measure("sync fp32", workload, "10mbit", tmp_path, every=2)
+    run = wire_thirds.measure("sync int3_rot/int3_rot zstd", workload, "10mbit", tmp_path, every=2)
+    for r, bytes_per_value in ((base, 4), (run, 0.5)):
+        assert [(w["first_step"], w["last_step"]) for w in r["windows"]] == [(0, 1), (2, 3), (4, 5)]
+        assert all(w["tokens"] == 2 * workload.tokens_per_step for w in r["windows"])
+        # hidden states of 64 values per token cross two links each way, plus headers and ACKs; a window
+        # of steps must not take its neighbours' bytes (reports arrive in batches: step_ends)
+        per_token = [w["kernel_bytes"] / w["tokens"] for w in r["windows"]]
+        plain = 4 * 64 * bytes_per_value
+        assert all(0.3 * plain < b < 3 * plain + 200 for b in per_token), per_token
+    assert len(run["losses"]) == 6
+    text = wire_thirds.report(base, run, parts=3)
+    assert "| 0–2 |" in text and "| 4–6 |" in text and "fewer than fp32" in text
+    wire_thirds.plot(base, run, tmp_path / "thirds.png")
+    assert (tmp_path / "thirds.png").stat().st_size > 0
+
+
+def test_step_ends_come_from_the_measured_durations_not_the_bunched_report_arrivals():
+    from benchmarks.wire_thirds import step_ends
+
+    steps = [{"time": 10.0, "seconds": 1.0}, {"time": 12.5, "seconds": 1.0}, {"time": 12.5, "seconds": 0.5}]
+    assert step_ends(steps) == [11.0, 12.0, 12.5]
