@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     comp, dec = zstandard.ZstdCompressor(level=args.level, write_content_size=True), zstandard.ZstdDecompressor()
     print(f"\nzstd level {args.level}, one core; payload + scales coded/plain; MB/s of plain payload, median")
     print(
-        "| step | boundary | tensor | codec | rel. error | plain B/value | coded / plain | coded B/token "
-        "| compress MB/s | decompress MB/s |"
+        "| step | boundary | tensor | codec | rel. error | plain B/value | coded / plain | scales coded / plain "
+        "| coded B/token | compress MB/s | decompress MB/s |"
     )
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for (step, i, kind), x in sorted(tensors.items()):
         for codec in args.codecs:
             enc = encode(x, codec, small=kind == "gradients")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             d = _median_seconds(lambda z=z: dec.decompress(z), args.repeats)
             print(
                 f"| {step} | {i} | {kind} | {codec} | {err:.4f} | {plain / x.numel():.3f} "
-                f"| {(len(z) + scales) / plain:.3f} | {per_token:.1f} "
+                f"| {(len(z) + scales) / plain:.3f} | {scales / max(len(enc.scales), 1):.3f} | {per_token:.1f} "
                 f"| {len(raw) / c / 1e6:,.0f} | {len(raw) / d / 1e6:,.0f} |"
             )
 
