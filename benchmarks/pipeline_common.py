@@ -55,6 +55,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync int4_rot/int4_rot": RAVN_SYNC + RAVN_INT4,
     "sync int4_rot/int4_rot zstd": RAVN_SYNC + RAVN_INT4_ZSTD,
     "sync int3_rot/int3_rot zstd": RAVN_SYNC + RAVN_INT3_ZSTD,
+    "async int3_rot/int3_rot zstd": RAVN_ASYNC + RAVN_INT3_ZSTD,
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
 }
 
