@@ -11,9 +11,10 @@ links, where the time to compress would not be won back, so only 4-bit codes are
 Their scales travel coded too, as byte planes: once the codes are coded, the scales (2 bytes per block of
 64 for activations, 4 for the ~1e-7 gradients, whose scales fp16 cannot hold) are 15-20% of int3_rot's
 bytes. A scale's high byte (sign, exponent, the top of the mantissa) takes few values, its low bytes are
-nearly uniform, so all first bytes, then all second ones, ... in one frame take 26% off fp16 scales and
-17-19% off fp32 ones on gpt-medium's boundary tensors (3-4% of all bytes), where zstd over the scales as
-they lie took 16-24% and 10-15%. Coded with the codes in one frame they would spoil its statistics.
+nearly uniform, so all first bytes, then all second ones, ... in one frame take 25-31% off fp16 scales and
+16-24% off fp32 ones on gpt-medium's boundary tensors (``benchmarks/entropy.py``; 4.5-8% of int3_rot's bytes
+in a 300-step run, docs/codecs.md, "Coded scales"); zstd over the scales as they lie took about a third
+less (one exploratory run). Coded with the codes in one frame they would spoil its statistics.
 
 The receiver never trusts the frame: its declared content size must equal the exact payload size the
 header implies (known before anything is allocated), and nothing may follow the frame.
