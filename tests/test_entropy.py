@@ -118,6 +118,7 @@ def test_hostile_coded_payloads_are_refused_with_a_reason() -> None:
         "the scales' frame declares": _with(z, scales=_declaring(z.scales, 3 * len(activations()[0, 0]))),
         "the scales' frame .*trailing data": _with(z, scales=z.scales + b"junk"),
         "block size 0": _with(z, block_size=0),
+        "must be a power of two": _with(z, block_size=48),
     }
     for reason, msg in bad.items():
         with pytest.raises(WireError, match=reason):

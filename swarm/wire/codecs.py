@@ -139,8 +139,8 @@ def _surely_below_fp16_scales(scales32: torch.Tensor) -> bool:
     return math.isfinite(top) and (top + 2.0**-24) * (1.0 + 2.0**-9) < quantize.FP16_SCALE_MIN
 
 
-def _check_quant_params(codec: str, block_size: object, seed: object) -> int:
-    """Validate block size and seed of an integer codec; returns its bit width."""
+def check_block_size(codec: str, block_size: object) -> int:
+    """Validate the block size of an integer codec (before any arithmetic uses it); returns its bit width."""
     bits = _BITS[codec]
     if type(block_size) is not int or not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise CodecError(f"block size {block_size!r} for codec {codec} must be an integer in [1, {MAX_BLOCK_SIZE}]")
@@ -148,6 +148,12 @@ def _check_quant_params(codec: str, block_size: object, seed: object) -> int:
         raise CodecError(f"block size {block_size} for codec {codec} must be even (two values per byte)")
     if codec in ROTATED_CODECS and not is_power_of_two(block_size):
         raise CodecError(f"block size {block_size} for codec {codec} must be a power of two (Hadamard)")
+    return bits
+
+
+def _check_quant_params(codec: str, block_size: object, seed: object) -> int:
+    """Validate block size and seed of an integer codec; returns its bit width."""
+    bits = check_block_size(codec, block_size)
     if type(seed) is not int or not 0 <= seed <= MAX_SEED:
         raise CodecError(f"seed {seed!r} must be an unsigned 64-bit integer")
     return bits

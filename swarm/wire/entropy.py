@@ -9,7 +9,7 @@ decompress on one core: a tensor of 70 KB costs ~0.2 ms, against 56 ms on a 10 M
 links, where the time to compress would not be won back, so only 4-bit codes are coded.
 
 Their scales travel coded too, as byte planes: once the codes are coded, the scales (2 bytes per block of
-64 for activations, 4 for the ~1e-7 gradients, whose scales fp16 cannot hold) are 15-20% of int3_rot's
+64 for activations, 4 for the ~1e-7 gradients, whose scales fp16 cannot hold) are 16-20% of int3_rot's
 bytes. A scale's high byte (sign, exponent, the top of the mantissa) takes few values, its low bytes are
 nearly uniform, so all first bytes, then all second ones, ... in one frame take 25-31% off fp16 scales and
 16-24% off fp32 ones on gpt-medium's boundary tensors (``benchmarks/entropy.py``; 4.5-8% of int3_rot's bytes
@@ -42,8 +42,8 @@ def compress(payload: bytes) -> bytes:
     return _compressor.compress(payload)
 
 
-def decompress(data: bytes, expected: int, *, what: str = "coded payload", also: int | None = None) -> bytes:
-    """The ``what`` of exactly ``expected`` (or ``also``) bytes coded in ``data`` (EntropyError otherwise).
+def decompress(data: bytes, expected: int | tuple[int, ...], *, what: str = "coded payload") -> bytes:
+    """The ``what`` of exactly ``expected`` bytes (or one of the sizes given) coded in ``data``, else EntropyError.
 
     The frame's declared size is checked against the header's before anything is decompressed, and
     decompression stops there, so a small frame of many zeros cannot make the receiver hold more.
@@ -52,8 +52,9 @@ def decompress(data: bytes, expected: int, *, what: str = "coded payload", also:
         declared = zstandard.get_frame_parameters(data).content_size
     except zstandard.ZstdError as e:
         raise EntropyError(f"{what} is not a zstd frame: {e}") from None
-    if declared not in (expected, also):
-        implied = expected if also is None else f"{expected} or {also}"
+    sizes = (expected,) if isinstance(expected, int) else expected
+    if declared not in sizes:
+        implied = " or ".join(map(str, sizes))
         raise EntropyError(f"{what} declares {declared} bytes; the header implies {implied}")
     d = zstandard.ZstdDecompressor().decompressobj()
     try:
@@ -78,5 +79,5 @@ def decompress_planes(data: bytes, nblocks: int) -> bytes:
     """The scales of ``nblocks`` blocks (fp16 or fp32: 2 or 4 bytes each) coded in ``data`` as byte planes."""
     if nblocks <= 0:
         raise EntropyError("coded scales for a tensor without blocks")
-    planes = decompress(data, 2 * nblocks, what="the scales' frame", also=4 * nblocks)
+    planes = decompress(data, (2 * nblocks, 4 * nblocks), what="the scales' frame")  # fp16 or fp32 scales
     return np.frombuffer(planes, dtype=np.uint8).reshape(-1, nblocks).T.tobytes()

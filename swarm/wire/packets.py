@@ -92,7 +92,7 @@ def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor
     )
 
 
-def _coded_numel(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> int:
+def _coded_numel(codec: str, shape: tuple[int, ...], max_elements: int) -> int:
     """The element count of a coded tensor, once its codec may be coded and the count is within bounds."""
     if not entropy.worth_coding(codec):
         raise WireError(f"codec {codec} is never zstd-coded; only {', '.join(sorted(entropy.CODED))} are")
@@ -108,7 +108,7 @@ def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: i
         return msg.payload
     if msg.compression != pb.ZSTD:
         raise WireError(f"unknown compression id {msg.compression}")
-    n = _coded_numel(msg, codec, shape, max_elements)
+    n = _coded_numel(codec, shape, max_elements)
     try:
         return entropy.decompress(msg.payload, payload_nbytes(n, 4))  # every coded codec is 4-bit
     except entropy.EntropyError as e:
@@ -123,12 +123,11 @@ def _scales(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: in
         raise WireError(f"unknown compression id {msg.scales_compression} for the scales")
     if msg.compression != pb.ZSTD:
         raise WireError("coded scales of a payload that is not zstd-coded")
-    n = _coded_numel(msg, codec, shape, max_elements)
-    if not 1 <= msg.block_size <= codecs.MAX_BLOCK_SIZE:
-        raise WireError(f"block size {msg.block_size} must be in [1, {codecs.MAX_BLOCK_SIZE}]")
+    n = _coded_numel(codec, shape, max_elements)
     try:
+        codecs.check_block_size(codec, msg.block_size)  # before num_blocks divides by it
         return entropy.decompress_planes(msg.scales, num_blocks(n, msg.block_size))
-    except entropy.EntropyError as e:
+    except (codecs.CodecError, entropy.EntropyError) as e:
         raise WireError(str(e)) from e
 
 
