@@ -86,6 +86,19 @@ class Recovery:
             await asyncio.sleep(0.1)
         return set()
 
+    def _drop_left_out(self) -> set[str]:
+        """End the sessions of peers that the new plan gives no block, and say they are gone from it.
+
+        A peer whose DHT record expired while the survivors were read (a stalled heartbeat on a busy
+        machine) is not among them, yet its control stream may still be up; asking the plan for its
+        assignment would fail. It is out of this plan: its stream ends, and it can join again."""
+        left_out = set(self.sessions.peers) - set(self.planning.planned)
+        for peer_id in left_out:
+            log.warning("peer %s has no block in the new plan (its record was not in the DHT); dropping it", peer_id)
+            self.roster.removed[peer_id] = time.monotonic()
+            self.sessions.drop(peer_id)
+        return left_out
+
     async def _checkpoint_now(self, timeout: float = 60.0) -> int | None:
         """Finish the current step everywhere, then checkpoint every block at that version (nothing lost)."""
         first = self.sessions.first()
@@ -138,6 +151,7 @@ class Recovery:
             self.store.begin_epoch(version)  # the dead plan's later checkpoints go; its uploads are refused
             self.record.redo_from(version)
             await roster.publish(planning.plan_for(survivors))
+            gone |= self._drop_left_out()
             sessions.lost -= gone
             sessions.departed -= gone
             roster.uncovered.clear()
