@@ -25,14 +25,20 @@ class ComputeWorker:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
-        self.busy_seconds = 0.0
+        self._clock = threading.Lock()  # guards the two below, so a reader sees a job either running or done
+        self._busy_done = 0.0  # seconds of finished jobs
+        self._job_started: float | None = None
         self.started = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     @property
     def idle_seconds(self) -> float:
-        return max(0.0, time.monotonic() - self.started - self.busy_seconds)
+        """Seconds without a job since the start; never decreases (it is exported as a counter)."""
+        with self._clock:
+            now = time.monotonic()
+            since = now if self._job_started is None else self._job_started
+            return max(0.0, since - self.started - self._busy_done)
 
     async def run(self, fn: Callable[..., Any], *args: Any, priority: int = OTHER) -> Any:
         loop = asyncio.get_running_loop()
@@ -52,12 +58,15 @@ class ComputeWorker:
                 if self._closed and not self._heap:
                     return
                 _, _, job, fut, loop = heapq.heappop(self._heap)
-            t0 = time.monotonic()
+            with self._clock:
+                self._job_started = time.monotonic()
             try:
                 result, error = job(), None
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
                 result, error = None, e
-            self.busy_seconds += time.monotonic() - t0
+            with self._clock:
+                self._busy_done += time.monotonic() - self._job_started
+                self._job_started = None
             loop.call_soon_threadsafe(_settle, fut, result, error)
 
     def close(self, timeout: float = 10.0) -> None:
