@@ -107,6 +107,14 @@ async def run_local(
         f"coordinator on 127.0.0.1:{port}, swarm {settings.swarm!r}; run {settings.name} in {settings.run_dir}"
     )
     run.progress.message(f"watch it: RAVN_SWARM_TOKEN=$(cat {token_file}) ravn status --coordinator 127.0.0.1:{port}")
+    if settings.hf is not None and device in ("cpu", "auto"):
+        import torch
+
+        from swarm.train.hf.measure import cpu_dtype_hint
+
+        on_cpu = device == "cpu" or not torch.cuda.is_available()  # 'auto' as the peers resolve it
+        if on_cpu and (hint := await asyncio.to_thread(cpu_dtype_hint, settings.hf.dtype)):
+            run.progress.message(f"note: {hint}")
     join_args = ["--swarm", settings.swarm, "--coordinator-key", membership.public_key, "--heartbeat", str(heartbeat)]
     join_args += ["--memory", peer_memory] if peer_memory else []
     for maddr in membership.maddrs():

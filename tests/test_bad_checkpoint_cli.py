@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from swarm.train.hf.checkpoint_check import INDEX_FILE  # noqa: E402
+from swarm.train.hf.measure import HALF_PRECISION_SLOW, cpu_half_precision_slowdown  # noqa: E402
 from swarm.train.hf.tiny import make_tiny_checkpoint  # noqa: E402
 from tests.conftest import ROOT, ravn_cmd, read_metrics  # noqa: E402
 
@@ -190,6 +191,13 @@ def test_default_context_follows_the_checkpoint(work):
     assert json.loads((run / "config.json").read_text())["model"]["context"] == 128
     assert [m["step"] for m in read_metrics(run) if m["kind"] == "step"] == [0, 1], proc.stdout
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    # the default --dtype is bf16: on a CPU that emulates it, the run says so in one line (and on one
+    # that computes it natively, it says nothing); near the threshold either is right
+    slowdown, note = cpu_half_precision_slowdown("bf16"), "note: this CPU computes bf16" in proc.stdout
+    if slowdown >= 2 * HALF_PRECISION_SLOW:
+        assert note, (slowdown, proc.stdout)
+    elif slowdown <= HALF_PRECISION_SLOW / 2:
+        assert not note, (slowdown, proc.stdout)
 
 
 @pytest.mark.slow  # a real run; the default suite keeps newcomers under 10 minutes

@@ -69,8 +69,10 @@ def planned_throughput(plan: Plan, device: str, hf_path: str = "") -> float:
     if layer.hf_path:
         path = hf_path or layer.hf_path
         try:
-            from swarm.train.hf.measure import hf_layer_throughput
+            from swarm.train.hf.measure import cpu_dtype_hint, hf_layer_throughput
 
+            if torch.device(device).type == "cpu" and (hint := cpu_dtype_hint(layer.hf_dtype)):
+                log.warning("%s", hint)
             return hf_layer_throughput(
                 path,
                 device,

@@ -22,6 +22,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +48,48 @@ after = status()
 growth = {f"{k}_growth_bytes": after[k] - before[k] for k in before}
 print(json.dumps({"weight_bytes": m.weight_bytes(), **growth}))
 """
+
+
+HALF_PRECISION_SLOW = 4.0  # past this slowdown against fp32, a CPU peer is told to compute in fp32
+
+
+def cpu_half_precision_slowdown(dtype: str, rounds: int = 7) -> float:
+    """How many times slower a matmul runs in ``dtype`` than in fp32 on this CPU (1.0 for fp32).
+
+    A CPU without native bf16/fp16 kernels (no AVX512-BF16 or AMX, e.g. AVX2 only) emulates them: a
+    (512 x 1536) @ (1536 x 4224) product ran 17x slower in bf16 than in fp32 on an AVX2 EPYC, so a 0.5 B
+    Llama's bf16 block took minutes per micro-batch. Measured on a small product on one thread, the two
+    dtypes alternating and the fastest of each counted, so a busy machine (a swarm starting beside it)
+    slows both alike; about 0.2-0.3 s where bf16 is emulated."""
+    from swarm.train.hf.stage import parse_dtype
+
+    half = parse_dtype(dtype)
+    if half == torch.float32:
+        return 1.0
+    pairs = {dt: (torch.randn(64, 512, dtype=dt), torch.randn(512, 512, dtype=dt)) for dt in (torch.float32, half)}
+    best = dict.fromkeys(pairs, float("inf"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(rounds + 1):  # the first round warms up (it is counted too: only the fastest matters)
+            for dt, (a, b) in pairs.items():
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                best[dt] = min(best[dt], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best[half] / max(best[torch.float32], 1e-9)
+
+
+def cpu_dtype_hint(dtype: str) -> str:
+    """One line of advice where ``dtype`` is slow on this CPU, else ""."""
+    slowdown = cpu_half_precision_slowdown(dtype)
+    if slowdown < HALF_PRECISION_SLOW:
+        return ""
+    return (
+        f"this CPU computes {dtype} {slowdown:.0f}x slower than fp32 (no native {dtype} kernels): "
+        "--dtype fp32 trains faster here (with --quant int8 or nf4 the base still takes 1 or 0.5 bytes per weight)"
+    )
 
 
 def hf_layer_throughput(
