@@ -249,6 +249,7 @@ class SwarmRun:
             self.record.train_t0 = time.monotonic()
         adopted = adopted and all(x.adopted for x in sessions.peers.values())
         resumed_started = self._resume is not None and self._resume.started
+        last_failure: tuple[str, int] | None = None
         while True:
             flow.enter(Phase.TRAINING)
             try:
@@ -279,6 +280,10 @@ class SwarmRun:
             except RunFailed as e:
                 if not (flow.started and s.train.checkpoint_every):
                     raise
+                failure = (str(e), self.record.last_step)
+                if failure == last_failure:  # the same, with no step done since: a restart will not mend it
+                    raise RunFailed(f"{e} (again after a recovery, with no step done in between)") from None
+                last_failure = failure
                 first_step = await self.recovery.recover(str(e))
 
     async def _announce_resume(self) -> None:
