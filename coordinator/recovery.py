@@ -94,7 +94,7 @@ class Recovery:
         assignment would fail. It is out of this plan: its stream ends, and it can join again."""
         left_out = set(self.sessions.peers) - set(self.planning.planned)
         for peer_id in left_out:
-            log.warning("peer %s has no block in the new plan (its record was not in the DHT); dropping it", peer_id)
+            log.warning("peer %s has no block in the new plan; ending its session", peer_id)
             self.roster.removed[peer_id] = time.monotonic()
             self.sessions.drop(peer_id)
         return left_out

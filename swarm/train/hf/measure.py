@@ -88,7 +88,7 @@ def cpu_dtype_hint(dtype: str) -> str:
         return ""
     return (
         f"this CPU computes {dtype} {slowdown:.0f}x slower than fp32 (no native {dtype} kernels): "
-        "--dtype fp32 trains faster here (with --quant int8 or nf4 the base still takes 1 or 0.5 bytes per weight)"
+        "--dtype fp32 trains faster here (with --quant int8 or nf4 the base still takes 1 or 0.56 bytes per weight)"
     )
 
 
