@@ -63,14 +63,17 @@ def measure(mode: str, workload: Workload, cap: str, runs_dir: Path, every: int)
 
 
 def step_ends(steps: list[dict]) -> list[float]:
-    """When each step ended, on the lab's clock: the peer measures each step's duration, but its reports
-    travel in batches (at most one per ``MIN_REPORT_GAP``), so the coordinator's arrival times bunch up.
-    Anchored at the last report's arrival, the durations give every end; a constant lag remains."""
-    ends, t = [], steps[-1]["time"]
-    for s in reversed(steps):
+    """When each step ended, on the lab's clock. The peer measures each step's duration from the end of the
+    one before, so the durations tile the run and fix every end up to one offset; its reports travel in
+    batches (at most one per ``MIN_REPORT_GAP``, the last one after the final validation), so each arrival
+    is at or after its step's end. The report that arrived soonest after its step bounds the offset best.
+    (Anchoring at the last report slid every window by the final validation's length.)"""
+    ends, t = [], 0.0
+    for s in steps:
+        t += s["seconds"]
         ends.append(t)
-        t -= s["seconds"]
-    return ends[::-1]
+    offset = min(s["time"] - end for s, end in zip(steps, ends, strict=True))
+    return [end + offset for end in ends]
 
 
 def per_token(windows: list[dict]) -> float:
