@@ -109,5 +109,6 @@ def test_wire_bytes_by_part_of_the_run_are_counted_per_window(lab_ok, tmp_path):
 def test_step_ends_come_from_the_measured_durations_not_the_bunched_report_arrivals():
     from benchmarks.wire_thirds import step_ends
 
-    steps = [{"time": 10.0, "seconds": 1.0}, {"time": 12.5, "seconds": 1.0}, {"time": 12.5, "seconds": 0.5}]
+    # a report arrives at or after its step's end (the first came at once; the other two together)
+    steps = [{"time": 11.0, "seconds": 1.0}, {"time": 12.5, "seconds": 1.0}, {"time": 12.5, "seconds": 0.5}]
     assert step_ends(steps) == [11.0, 12.0, 12.5]
