@@ -31,7 +31,7 @@ from benchmarks import hf_scale
 from swarm.wire import codecs
 
 MiB = 1 << 20
-CODECS = ("fp32", "bf16", "int8", "int4", "int4_rot")
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot")
 
 
 def codec_rows(device: str, repeats: int) -> list[dict]:
@@ -39,9 +39,10 @@ def codec_rows(device: str, repeats: int) -> list[dict]:
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator(device=dev).manual_seed(0)
+    shape = (8, 1024, 2048)  # 64 MiB of fp32, the size #19's codec target is stated at
     tensors = {
-        "activations 4x512x2048": torch.randn(4, 512, 2048, device=dev, generator=g),
-        "gradients 4x512x2048": torch.randn(4, 512, 2048, device=dev, generator=g) * 1e-3,
+        "activations 8x1024x2048": torch.randn(shape, device=dev, generator=g),
+        "gradients 8x1024x2048": torch.randn(shape, device=dev, generator=g) * 1e-3,
     }
     rows = []
     for what, x in tensors.items():
@@ -67,6 +68,7 @@ def codec_rows(device: str, repeats: int) -> list[dict]:
                     "bytes": enc.nbytes,
                     "encode_ms": 1e3 * min(enc_s),
                     "decode_ms": 1e3 * min(dec_s),
+                    "gb_per_s": x.numel() * 4 / (min(enc_s) + min(dec_s)) / 1e9,
                     "rel_error": err,
                     "decoded_on": str(y.device),
                 }
@@ -81,16 +83,17 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`  ",
         f"Commit: `{report['commit']}`  ",
         f"Machine: {report['machine']}  ",
-        f"Checkpoint: {report['checkpoint']}",
+        f"Checkpoint: {report.get('checkpoint', 'not made yet')}",
         "",
         "## Codecs (encode a tensor on the device to bytes, decode onto the device)",
         "",
-        "| tensor | codec | bytes | encode ms | decode ms | rel. error | decoded on |",
-        "|---|---|---|---|---|---|---|",
+        "| tensor | codec | bytes | encode ms | decode ms | GB/s fp32 in | rel. error | decoded on |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["codecs"]:
         lines.append(
             f"| {r['tensor']} | {r['codec']} | {r['bytes']:,} | {r['encode_ms']:.2f} | {r['decode_ms']:.2f} | "
+            f"{r['gb_per_s']:.2f} | "
             f"{r['rel_error']:.2e} | {r['decoded_on']} |"
         )
     lines += [
@@ -111,13 +114,24 @@ def markdown(report: dict) -> str:
                 f"{hf_scale.mib(r['load_peak'])} | {hf_scale.mib(r['train_peak'])} | "
                 f"{hf_scale.mib(r['predicted_train'])} | {ratio} |"
             )
-    lines += ["", "| base | tokens/s | s/step (after step 0) |", "|---|---|---|"]
+    lines += ["", "| base | tokens/s | planner's tokens/s | s/step (after step 0) |", "|---|---|---|---|"]
     for quant, res in report["runs"].items():
         if "stages" in res:
-            lines.append(f"| {quant} | {res['tokens_per_s']:,.0f} | {res['seconds_per_step']:.3f} |")
+            pred = res.get("predicted_tokens_per_s")
+            pred = "n/a" if pred is None else f"{pred:,.0f}"
+            lines.append(f"| {quant} | {res['tokens_per_s']:,.0f} | {pred} | {res['seconds_per_step']:.3f} |")
     peaks = "CUDA" if report["args"]["device"].startswith("cuda") else "host (VmHWM; --device cpu smoke test)"
     lines += ["", f"Peaks are {peaks} growth over each peer's footprint before it built its block."]
     return "\n".join(lines) + "\n"
+
+
+def save(report: dict, out: Path) -> str:
+    """Write what is measured so far: a device lease can end mid-run, and the finished parts must come back."""
+    text = markdown(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,12 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--quant", nargs="+", default=["none", "nf4"], choices=["none", "int8", "nf4"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the base's dtype")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--repeats", type=int, default=10, help="timings per codec (the best is kept)")
     p.add_argument("--timeout", type=float, default=420, help="seconds per ravn local run")
     p.add_argument("--out", default="docs/gpu_check")
+    p.add_argument("--work", help="keep the checkpoint and the runs' logs here (default: a temporary folder)")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("no CUDA device here; pass --device cpu for a smoke test")
@@ -158,8 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         "runs": {},
     }
     report["codecs"] = codec_rows(args.device, args.repeats)
+    save(report, Path(args.out))
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        work = Path(tmp)
+        work = Path(args.work or tmp)
         report["checkpoint"] = hf_scale.make_checkpoint(
             work / "ckpt", hf_scale.parse_params(args.params), vocab=args.vocab
         )
@@ -171,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             try:  # one failed base must not lose the other's numbers
                 run = hf_scale.ravn_local(
-                    work / "runs", f"q-{quant}", work / "ckpt", data, run_args, quant=quant, dtype="bf16"
+                    work / "runs", f"q-{quant}", work / "ckpt", data, run_args, quant=quant, dtype=args.dtype
                 )
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 report["runs"][quant] = {"error": str(e).splitlines()[0][:200]}
@@ -180,16 +197,13 @@ def main(argv: list[str] | None = None) -> None:
             _, _, seconds = hf_scale.run_steps(run)
             s = hf_scale.summary(run)
             report["runs"][quant] = {
-                "stages": hf_scale.stage_rows(run, work / "ckpt", run_args, quant=quant, dtype="bf16"),
+                "stages": hf_scale.stage_rows(run, work / "ckpt", run_args, quant=quant, dtype=args.dtype),
                 "tokens_per_s": s["tokens_per_s"],
+                "predicted_tokens_per_s": s.get("predicted_tokens_per_s"),
                 "seconds_per_step": hf_scale.steady(seconds),
             }
-    text = markdown(report)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(text)
+            save(report, Path(args.out))
+    print(save(report, Path(args.out)))
 
 
 if __name__ == "__main__":

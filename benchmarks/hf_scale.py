@@ -512,7 +512,7 @@ def _commit() -> str:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("RAVN_COMMIT", "unknown")  # a copy of the tree without .git (a lent GPU machine)
 
 
 def _machine(device: str) -> str:
