@@ -27,6 +27,10 @@ class Records:
         self.records = records
         self.s = SimpleNamespace(heartbeat=0.02)
 
+    @property
+    def ttl(self) -> float:
+        return 3 * self.s.heartbeat
+
     async def peers(self, include_leaving: bool = False) -> list[SimpleNamespace]:
         return [r for r in self.records if include_leaving or r.state != "leaving"]
 

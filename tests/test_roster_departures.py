@@ -54,7 +54,7 @@ def test_an_uncovered_block_has_its_reason_before_the_plan_is_published() -> Non
         SimpleNamespace(train=SimpleNamespace(checkpoint_every=0)),
         _SlowMembership(),
         _Planning(),
-        SimpleNamespace(released=set(), departed=set()),
+        SimpleNamespace(released=set(), departed=set(), peers={}, lost=set()),
         flow,
         record,
         SimpleNamespace(message=lambda m: None),
