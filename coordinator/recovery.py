@@ -86,6 +86,15 @@ class Recovery:
             await asyncio.sleep(0.1)
         return set()
 
+    async def _records(self) -> list:
+        """The survivors' records; the DHT gets until a record's lifetime to answer (a stalled DHT process)."""
+        deadline = time.monotonic() + self.membership.ttl
+        while (found := await self.roster.records()) is None:
+            if time.monotonic() > deadline:
+                raise RunFailed("the DHT did not answer when the survivors were looked up")
+            await asyncio.sleep(self.membership.s.heartbeat)
+        return found
+
     def _drop_left_out(self) -> set[str]:
         """End the sessions of peers that the new plan gives no block, and say they are gone from it.
 
@@ -142,7 +151,7 @@ class Recovery:
                 roster.removed[peer_id] = time.monotonic()  # its record may outlive it by a few heartbeats
                 sessions.drop(peer_id)
                 planning.planned.pop(peer_id, None)
-            alive = {r.peer_id: r for r in await self.membership.peers() if r.state != "leaving"}
+            alive = {r.peer_id: r for r in await self._records() if r.state != "leaving"}
             survivors = [alive[p] for p in sorted(sessions.peers) if p in alive]
             survivors += [alive[p] for p in joiners if p in alive and p not in sessions.peers]
             if not survivors:

@@ -61,8 +61,21 @@ class Roster:
         """Make ``plan`` the current one: saved on disk, stored in the DHT."""
         self.planning.plan = plan
         self.record.save_state()
-        if not await self.membership.publish(plan):
+        try:
+            stored = await self.membership.publish(plan)
+        except TimeoutError:  # the plan is saved on disk and re-published every heartbeat
+            stored = False
+        if not stored:
             log.warning("plan version %d was not stored in the DHT; retrying at the next heartbeat", plan.version)
+
+    async def records(self, *, include_leaving: bool = False) -> list[PeerRecord] | None:
+        """The peers' records, or None when the DHT did not answer in time: a missed heartbeat, not the end
+        of a watch (a stalled DHT process or a loaded machine; the loops here run for the whole run)."""
+        try:
+            return await self.membership.peers(include_leaving=include_leaving)
+        except TimeoutError as e:
+            log.warning("%s; asking again at the next heartbeat", e)
+            return None
 
     async def keep_plan_alive(self) -> None:
         """Re-publish the current plan every heartbeat (DHT values expire)."""
@@ -76,8 +89,9 @@ class Roster:
         deadline = time.monotonic() + self.s.join_timeout
         seen = -1
         while True:
-            live = [r for r in await self.membership.peers() if r.state != "leaving"]
-            if len(live) != seen:
+            found = await self.records()
+            live = [r for r in found or [] if r.state != "leaving"]
+            if found is not None and len(live) != seen:
                 seen = len(live)
                 self.progress.message(f"{seen}/{self.s.peers} peers in swarm {self.s.swarm!r}")
             if len(live) >= self.s.peers:
@@ -99,7 +113,10 @@ class Roster:
         before = {(r.peer_id, r.free_memory_bytes) for r in tried}
         while True:
             await self.flow.tick(self.membership.s.heartbeat)
-            live = [r for r in await self.membership.peers() if r.state != "leaving"]
+            found = await self.records()
+            if found is None:
+                continue
+            live = [r for r in found if r.state != "leaving"]
             fit = [r for r in live if usable(r)]
             if len(fit) >= self.s.peers and {(r.peer_id, r.free_memory_bytes) for r in live} != before:
                 self.progress.message(f"{len(fit)} peers in swarm {self.s.swarm!r} can hold a layer: planning again")
@@ -147,7 +164,10 @@ class Roster:
         """Planned peers whose records expire or who leave: their blocks become uncovered; new ones may join."""
         while True:
             await asyncio.sleep(self.membership.s.heartbeat)
-            records = {r.peer_id: r for r in await self.membership.peers(include_leaving=True)}
+            found = await self.records(include_leaving=True)
+            if found is None:
+                continue
+            records = {r.peer_id: r for r in found}
             self.consider_joins(records)
             for peer_id, (a, b, _) in list(self.planning.planned.items()):
                 record = records.get(peer_id)
