@@ -154,9 +154,14 @@ class Discovery:
         )
 
     async def fetch(self) -> Plan | None:
-        body = await asyncio.to_thread(
-            fetch_plan, self.dht, self.s.swarm, self.trusted_key, min_version=self._plan_version
-        )
+        """The newest trusted plan, or None: none yet, or the DHT did not answer in time (callers ask again)."""
+        try:
+            body = await asyncio.to_thread(
+                fetch_plan, self.dht, self.s.swarm, self.trusted_key, min_version=self._plan_version
+            )
+        except TimeoutError as e:
+            log.warning("%s; asking again", e)
+            return None
         if body is None:
             return None
         plan = Plan.model_validate(body)
@@ -178,9 +183,12 @@ class Discovery:
 
     async def announce(self, record: PeerRecord) -> None:
         self.record = record
-        ok = await asyncio.to_thread(
-            announce_peer, self.dht, self.s.swarm, record, 3 * self.s.heartbeat, signing_key=self.signing_key
-        )
+        try:
+            ok = await asyncio.to_thread(
+                announce_peer, self.dht, self.s.swarm, record, 3 * self.s.heartbeat, signing_key=self.signing_key
+            )
+        except TimeoutError:  # a stalled DHT: one missed heartbeat, never the end of the heartbeat task
+            ok = False
         if not ok:
             log.warning("announcing this peer in the DHT failed; retrying at the next heartbeat")
 
