@@ -103,3 +103,62 @@ def test_a_stall_of_every_process_longer_than_a_record_lives_costs_no_recovery(t
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert not [e for e in events if e["kind"] == "membership"], out
     assert steps_done(metrics) == 120, out
+
+
+@pytest.mark.slow  # ~70 s: a run whose one peer's DHT process stops for longer than a DHT round may take
+def test_a_peer_whose_dht_stalls_past_its_timeout_keeps_announcing_itself(tmp_path: Path) -> None:
+    """A peer's DHT process that stops answering for more than a DHT round's timeout (10 s) made that
+    peer's announcement raise, which ended its heartbeat: its record expired for good while it trained on,
+    and the coordinator dropped a live peer. With 5 s heartbeats a record lives 15 s, so a 12 s stall alone
+    costs nothing."""
+    cmd = ravn_cmd(
+        "local",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "dht-stall",
+        "--model",
+        "gpt-tiny",
+        "--peers",
+        "2",
+        "--steps",
+        "1000",
+        "--heartbeat",
+        "5",
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    metrics = tmp_path / "dht-stall" / "metrics.jsonl"
+    stopped: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while steps_done(metrics) < 5:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        peer = next(p for p in descendants(proc.pid) if b"peer-1" in Path(f"/proc/{p}/cmdline").read_bytes())
+        stopped = descendants(peer)[1:]  # its DHT process and that one's p2p daemon, not the peer itself
+        assert stopped, "the peer has no DHT process"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(12.0)  # the fault: past the DHT round's 10 s timeout, within the record's 15 s life
+        for pid in reversed(stopped):
+            os.kill(pid, signal.SIGCONT)
+        stopped = []
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            for pid in descendants(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "stopped heartbeating" not in out and "recovering:" not in out, out
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert not [e for e in events if e["kind"] == "membership"], out
