@@ -60,3 +60,26 @@ def test_a_peer_without_an_open_stream_goes_at_the_first_expiry(tmp_path: Path) 
         return run.flow.failure or ""
 
     assert "peer p1 stopped heartbeating" in asyncio.run(first_read())
+
+
+def test_a_peer_planned_again_gets_a_fresh_grace(tmp_path: Path) -> None:
+    """A grace that began before the peer left the plan (a recovery dropped it) is not carried into its
+    next time in the plan."""
+    membership = Records([record("p0")])
+    membership.s.heartbeat = 0.2  # grace 0.6 s
+    run = make_run(tmp_path, membership)
+    planned_p1 = run.planning.planned["p1"]
+
+    async def scenario() -> str:
+        task = asyncio.create_task(run.roster.watch())
+        try:
+            await asyncio.sleep(0.3)  # one read without p1's record: its grace began
+            del run.planning.planned["p1"]  # a recovery re-planned without it
+            await asyncio.sleep(1.0)  # long after that grace would have ended
+            run.planning.planned["p1"] = planned_p1  # planned again; its record is still late
+            await asyncio.sleep(0.3)  # one read: within a fresh grace
+            return run.flow.failure or ""
+        finally:
+            task.cancel()
+
+    assert asyncio.run(scenario()) == ""
