@@ -169,6 +169,8 @@ class Roster:
                 continue
             records = {r.peer_id: r for r in found}
             self.consider_joins(records)
+            for peer_id in self.missing_since.keys() - self.planning.planned.keys():
+                del self.missing_since[peer_id]  # out of the plan: a grace never carries into its next time in it
             for peer_id, (a, b, _) in list(self.planning.planned.items()):
                 record = records.get(peer_id)
                 left = peer_id in self.sessions.released or (record is not None and record.state == "leaving")
