@@ -50,16 +50,7 @@ def test_a_peer_without_an_open_stream_goes_at_the_first_expiry(tmp_path: Path) 
     membership.s.heartbeat = 1.0  # one read within the test: a grace would outlast it
     run = make_run(tmp_path, membership)
     run.sessions.lost.add("p1")  # its control stream broke
-
-    async def first_read() -> str:
-        task = asyncio.create_task(run.roster.watch())
-        try:
-            await asyncio.wait_for(run.flow.failed.wait(), 1.8)
-        finally:
-            task.cancel()
-        return run.flow.failure or ""
-
-    assert "peer p1 stopped heartbeating" in asyncio.run(first_read())
+    assert "peer p1 stopped heartbeating" in asyncio.run(watch_until_failed(run, timeout=1.8))
 
 
 def test_a_peer_planned_again_gets_a_fresh_grace(tmp_path: Path) -> None:
