@@ -248,7 +248,7 @@ class StageStats(_message.Message):
     def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., kept_weights_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., sent_codecs: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StageMemory(_message.Message):
-    __slots__ = ("rss_before", "anon_before", "load_peak", "resident_after_build", "anon_after_build", "train_peak", "cuda_before", "cuda_load_peak", "cuda_train_peak", "block_bytes", "largest_tensor_bytes", "hwm_reset")
+    __slots__ = ("rss_before", "anon_before", "load_peak", "resident_after_build", "anon_after_build", "train_peak", "cuda_before", "cuda_load_peak", "cuda_train_peak", "block_bytes", "largest_tensor_bytes", "hwm_reset", "allocator")
     RSS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     ANON_BEFORE_FIELD_NUMBER: _ClassVar[int]
     LOAD_PEAK_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,7 @@ class StageMemory(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LARGEST_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     HWM_RESET_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     rss_before: int
     anon_before: int
     load_peak: int
@@ -273,7 +274,8 @@ class StageMemory(_message.Message):
     block_bytes: int
     largest_tensor_bytes: int
     hwm_reset: bool
-    def __init__(self, rss_before: _Optional[int] = ..., anon_before: _Optional[int] = ..., load_peak: _Optional[int] = ..., resident_after_build: _Optional[int] = ..., anon_after_build: _Optional[int] = ..., train_peak: _Optional[int] = ..., cuda_before: _Optional[int] = ..., cuda_load_peak: _Optional[int] = ..., cuda_train_peak: _Optional[int] = ..., block_bytes: _Optional[int] = ..., largest_tensor_bytes: _Optional[int] = ..., hwm_reset: _Optional[bool] = ...) -> None: ...
+    allocator: str
+    def __init__(self, rss_before: _Optional[int] = ..., anon_before: _Optional[int] = ..., load_peak: _Optional[int] = ..., resident_after_build: _Optional[int] = ..., anon_after_build: _Optional[int] = ..., train_peak: _Optional[int] = ..., cuda_before: _Optional[int] = ..., cuda_load_peak: _Optional[int] = ..., cuda_train_peak: _Optional[int] = ..., block_bytes: _Optional[int] = ..., largest_tensor_bytes: _Optional[int] = ..., hwm_reset: _Optional[bool] = ..., allocator: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "loss", "tokens", "seconds")

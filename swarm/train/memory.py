@@ -11,12 +11,12 @@ Off Linux (no ``/proc``) every host number is 0 and ``hwm_reset`` is False: noth
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from swarm.allocator import active_allocator, release_free_memory, set_mmap_threshold
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -46,38 +46,14 @@ def reset_peak() -> bool:
     return True
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # While training, glibc's own ceiling for its dynamic threshold (as if untouched): freed activations of up to
 # 32 MiB stay in the heap, which costs resident memory but not time. A middle block of the 0.5 B benchmark
 # (5 layers, 3 micro-batches, one thread; docs/hf_scale.md) measured, threshold: seconds per step, peak over
 # the built block: 32 MiB 1.71-1.85 s, 578 MiB; 1 MiB 2.06-2.30 s, 516 MiB; 128 KiB 2.64-3.23 s, 386 MiB;
 # 4 KiB 2.64-2.69 s, 385 MiB (what autograd keeps: 365 MiB). A CPU peer pays 20-55 % in speed for any lower
-# threshold, so it keeps glibc's; the memory model counts live bytes, not the heap's slack (docs/SCALING.md).
+# threshold, so under glibc it keeps glibc's; peers run on tcmalloc or jemalloc where installed, which reuse
+# freed memory without that cost (swarm/allocator.py).
 TRAINING_MMAP_THRESHOLD = 32 << 20
-_LIBC = None
-
-
-def _glibc():
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.mallopt, _LIBC.malloc_trim  # noqa: B018 - glibc only
-        except (OSError, AttributeError):
-            _LIBC = False
-    return _LIBC
-
-
-def set_mmap_threshold(nbytes: int) -> bool:
-    """Allocations of ``nbytes`` or more get their own mapping, returned to the OS when freed (glibc)."""
-    libc = _glibc()
-    return bool(libc) and libc.mallopt(M_MMAP_THRESHOLD, nbytes) == 1
-
-
-def trim_heap() -> None:
-    libc = _glibc()
-    if libc:
-        libc.malloc_trim(0)
 
 
 def _cuda(device: torch.device) -> bool:
@@ -100,6 +76,7 @@ class StageMemory:
     block_bytes: int = 0  # the frozen base and trainable weights the block holds
     largest_tensor_bytes: int = 0  # the largest single tensor read from the checkpoint (stored dtype)
     hwm_reset: bool = False  # VmHWM could be reset, so train_peak excludes the build
+    allocator: str = ""  # who serves malloc (swarm/allocator.py): glibc's keeps freed memory, the others reuse it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,8 +100,9 @@ class MemoryProbe:
         build the threshold is pinned at 128 KiB so what the load frees goes back to the OS.
         """
         m = self.memory
+        m.allocator = active_allocator()
         set_mmap_threshold(128 << 10)
-        trim_heap()  # heap freed earlier (e.g. a previous block) is not this block's baseline
+        release_free_memory()  # heap freed earlier (e.g. a previous block) is not this block's baseline
         m.hwm_reset = reset_peak()
         status = proc_status()
         m.rss_before, m.anon_before = status.get("VmRSS", 0), status.get("RssAnon", 0)
@@ -135,7 +113,7 @@ class MemoryProbe:
 
     def after_build(self, model: torch.nn.Module) -> None:
         m = self.memory
-        trim_heap()
+        release_free_memory()
         set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
         status = proc_status()
         m.load_peak = status.get("VmHWM", 0) - m.rss_before

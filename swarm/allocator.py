@@ -1,0 +1,111 @@
+"""The C allocator under a peer: jemalloc (or tcmalloc) when installed, because glibc's keeps what training frees.
+
+A CPU peer allocates and frees activation-sized buffers (1-100 MiB) every micro-batch. glibc's malloc
+serves those below its dynamic mmap threshold (up to 32 MiB) from its heaps, and a freed buffer below one
+that is still live stays resident, so a peer's peak resident memory ran 1.3-3.1x what the memory model
+counts and a plan's memory figures were not what a machine needed (docs/hf_scale.md). jemalloc reuses and
+returns that memory: the same peers peaked at 0.94-1.07x the model. tcmalloc came close (0.82-1.02x) and
+ran faster, but held 2.7x the live bytes where jemalloc held 1.0x on the pattern of
+``tests/test_allocator.py``, so jemalloc comes first. An allocator replaces malloc only when the dynamic
+linker preloads it at exec, so ``ravn local`` preloads it into the peers it starts and ``ravn-peer join``
+executes itself again, once, with it. ``RAVN_ALLOCATOR`` picks one (``jemalloc``, ``tcmalloc``) or keeps
+glibc's (``system``); a ``LD_PRELOAD`` that is already set is the user's choice and is left alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+
+ENV = "RAVN_ALLOCATOR"
+# Library names as the dynamic linker knows them, in order of preference: jemalloc (Debian: libjemalloc2),
+# then gperftools' tcmalloc (libtcmalloc-minimal4), the two PyTorch's CPU launcher offers (torch.backends.xeon).
+LIBRARIES = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc")}
+CHOICES = ("auto", *LIBRARIES, "system")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MALLCTL_ARENAS_ALL = 4096  # jemalloc: "arena.<this>.purge" purges every arena
+
+
+def _choice(env: Mapping[str, str]) -> str:
+    choice = env.get(ENV, "") or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}: use one of {', '.join(CHOICES)}")
+    return choice
+
+
+def preload_library(env: Mapping[str, str] = os.environ) -> str | None:
+    """The shared library to preload for ``env``'s choice, as the linker finds it; None for glibc's malloc."""
+    choice = _choice(env)
+    if choice == "system" or not sys.platform.startswith("linux"):
+        return None
+    for name in LIBRARIES if choice == "auto" else (choice,):
+        for lib in LIBRARIES[name]:
+            if found := ctypes.util.find_library(lib):
+                return found
+    return None
+
+
+def peer_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a peer process: the allocator preloaded, unless ``LD_PRELOAD`` is set already."""
+    out = dict(env)
+    if out.get("LD_PRELOAD") or (lib := preload_library(out)) is None:
+        return out
+    out["LD_PRELOAD"] = lib
+    # tcmalloc reports every allocation over 1 GiB on stderr; a checkpoint's embedding is one of those
+    out.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
+    return out
+
+
+def exec_with_allocator() -> None:
+    """Start this program again with the allocator preloaded; returns when there is nothing to change.
+
+    The new process finds ``LD_PRELOAD`` set and returns from here, so this happens at most once. It keeps
+    its PID, so a parent that waits for it (or tests that read its ``/proc``) see no difference.
+    """
+    env = peer_environment(os.environ)
+    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
+@cache
+def active_allocator() -> str:
+    """Who serves malloc in this process: 'tcmalloc', 'jemalloc', 'glibc', or 'unknown' (no /proc)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for name in LIBRARIES:
+        if f"/lib{name}" in maps:
+            return name
+    return "glibc"
+
+
+def _symbol(name: str):
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """glibc: allocations of ``nbytes`` or more get their own mapping, returned to the OS when freed."""
+    mallopt = _symbol("mallopt")
+    return active_allocator() == "glibc" and mallopt is not None and mallopt(M_MMAP_THRESHOLD, nbytes) == 1
+
+
+def release_free_memory() -> None:
+    """Give the free memory the allocator holds back to the OS, so that a baseline read next is the live bytes."""
+    allocator = active_allocator()
+    if allocator == "tcmalloc" and (release := _symbol("MallocExtension_ReleaseFreeMemory")):
+        release()
+    elif allocator == "jemalloc" and (mallctl := _symbol("mallctl")):
+        mallctl(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, ctypes.c_size_t(0))
+    elif allocator == "glibc" and (malloc_trim := _symbol("malloc_trim")):
+        malloc_trim(0)
