@@ -292,6 +292,7 @@ def stage_rows(run: Path, ckpt: Path, args, *, quant: str, dtype: str) -> list[d
                 "host_load_peak": m["load_peak"],
                 "host_train_peak": m["train_peak"],
                 "rss_before": m["rss_before"],
+                "allocator": m.get("allocator", ""),
                 "predicted_load": pred and pred["load"],
                 "predicted_train": pred and pred["train"],
                 "ratio_train": measured_train / pred["train"] if pred else None,
@@ -340,18 +341,19 @@ def markdown(report: dict) -> str:
         "",
     ]
     lines += [
-        "| base | stage | layers | block MiB | largest tensor MiB | load peak MiB | load − block MiB | "
+        "| base | stage | layers | malloc | block MiB | largest tensor MiB | load peak MiB | load − block MiB | "
         "one tensor in flight | training peak MiB | predicted MiB | measured / predicted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for quant, res in report["runs"].items():
         if "skipped" in res:
-            lines.append(f"| {quant} | skipped: {res['skipped']} |||||||||")
+            lines.append(f"| {quant} | skipped: {res['skipped']} ||||||||||")
             continue
         for r in res["stages"]:
             ratio = "n/a" if r["ratio_train"] is None else f"{r['ratio_train']:.2f}"
             lines.append(
-                f"| {quant} | {r['stage']} | [{r['layers'][0]},{r['layers'][1]}) | {mib(r['block_bytes'])} | "
+                f"| {quant} | {r['stage']} | [{r['layers'][0]},{r['layers'][1]}) | {r['allocator']} | "
+                f"{mib(r['block_bytes'])} | "
                 f"{mib(r['largest_tensor_bytes'])} | {mib(r['load_peak'])} | {mib(r['load_over_block'])} | "
                 f"{'yes' if r['one_tensor_ok'] else 'NO'} | {mib(r['train_peak'])} | {mib(r['predicted_train'])} | "
                 f"{ratio} |"

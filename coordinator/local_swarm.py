@@ -20,6 +20,7 @@ from pathlib import Path
 from coordinator.membership import Membership
 from coordinator.run_settings import RunSettings
 from coordinator.swarm_run import SwarmRun
+from swarm.allocator import peer_environment
 from swarm.lifecycle import DIE_WITH_PARENT_ENV
 
 log = logging.getLogger(__name__)
@@ -51,14 +52,16 @@ def spawn_peer(
         device,
     ]
     out = log_path.open("w")
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": str(max(threads, 1)),
-        "THP_MEM_ALLOC_ENABLE": "1",
-        DIE_WITH_PARENT_ENV: str(os.getpid()),
-        "RAVN_SWARM_TOKEN": token,
-    }
+    env = peer_environment(  # tcmalloc or jemalloc under the peer, not glibc's malloc (swarm/allocator.py)
+        {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(max(threads, 1)),
+            "THP_MEM_ALLOC_ENABLE": "1",
+            DIE_WITH_PARENT_ENV: str(os.getpid()),
+            "RAVN_SWARM_TOKEN": token,
+        }
+    )
     proc = subprocess.Popen(
         cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
     )

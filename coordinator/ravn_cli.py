@@ -27,6 +27,7 @@ from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus
 from coordinator.status_verdict import exit_code, status_json, verdict
 from coordinator.status_view import render, renderable
+from swarm.allocator import preload_library
 from swarm.config_file import enable_config
 from swarm.dht.multiaddrs import multiaddr_to_grpc_target
 from swarm.logs import setup_logging
@@ -84,6 +85,10 @@ def local(
     model, hf = checked_configs(options)  # a mistake is one line, before any process starts
     if options.data != "stdlib" and not Path(options.data).expanduser().exists():  # the peers read it here
         config_error(f"--data {options.data}: no such file or folder")
+    try:
+        preload_library()  # RAVN_ALLOCATOR, read here so that a typo is one line and not every peer's traceback
+    except ValueError as e:
+        config_error(str(e))
     if peer_memory:
         try:
             if parse_size(peer_memory) <= 0:

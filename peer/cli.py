@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import uvloop
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
 from peer.faults import POISON_MODES, Faults
+from swarm.allocator import active_allocator, exec_with_allocator
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
@@ -22,6 +24,7 @@ from swarm.security.auth import parse_token
 from swarm.security.tls import TlsError, TlsIdentity, identity_from_options
 from swarm.sizes import parse_size
 
+log = logging.getLogger(__name__)
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 DEFAULT_CONFIG = Path("~/.config/ravn/peer.toml").expanduser()
 
@@ -191,6 +194,7 @@ def join(
     memory_limit = _memory(memory)
     peer_id = name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, prefix=f"[{peer_id}] ")
+    log.info("malloc: %s", active_allocator())
     try:
         discovery = Discovery(
             DiscoverySettings(
@@ -251,6 +255,11 @@ enable_config(app, sections={"join": "peer.join"}, default_file=DEFAULT_CONFIG)
 
 
 def main() -> None:
+    try:
+        exec_with_allocator()  # tcmalloc or jemalloc when installed: glibc's malloc keeps what training frees
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise SystemExit(2) from None
     app()
 
 

@@ -5,23 +5,28 @@
 # wheel index of your CUDA version from PyTorch's install selector) in TORCH_SPEC, for example:
 #   TORCH_SPEC="torch==2.13.0 --index-url <PyTorch's CUDA 12.x wheel index>" scripts/install.sh
 #
-# Run as root on Debian/Ubuntu, it also installs the system tools the lab tests (`pytest -m lab`) use:
-# nftables (the NAT test's home router) and iproute2 (network namespaces, veth, tc), when missing.
+# Run as root on Debian/Ubuntu, it also installs, when missing, jemalloc (peers run on it instead of glibc's
+# malloc, which keeps what training frees: swarm/allocator.py) and the system tools the lab tests
+# (`pytest -m lab`) use: nftables (the NAT test's home router) and iproute2 (network namespaces, veth, tc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-lab_tools_missing() {
+system_packages_missing() {
     for tool in nft ip tc; do
         command -v "$tool" >/dev/null || return 0
     done
+    if command -v ldconfig >/dev/null && ! ldconfig -p | grep -q libjemalloc; then
+        return 0
+    fi
     return 1
 }
-if lab_tools_missing; then
+if system_packages_missing; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables iproute2 >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2 nftables iproute2 >/dev/null
     else
-        echo "note: the lab tests (pytest -m lab) need root and nft/ip/tc: sudo apt-get install nftables iproute2"
+        echo "note: peers want jemalloc, and the lab tests (pytest -m lab) root and nft/ip/tc:"
+        echo "      sudo apt-get install libjemalloc2 nftables iproute2"
     fi
 fi
 

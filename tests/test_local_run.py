@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.allocator import preload_library
 from swarm.train.checkpoint import load_checkpoint
 from swarm.train.data import Corpus
 from tests.conftest import ravn_cmd, read_metrics, run_ravn_local
@@ -50,6 +51,10 @@ def test_local_swarm_trains_and_checkpoint_reloads(tmp_path: Path) -> None:
     assert losses[0] > 5.0, "a fresh byte-level model starts near ln(256) = 5.55"
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5, f"loss did not fall: {losses[0]:.3f} -> {losses[-5:]}"
     assert (run_dir / "loss.png").stat().st_size > 1000
+    lib = preload_library() or "glibc"  # every peer runs on jemalloc or tcmalloc when installed (swarm/allocator.py)
+    expected = next(name for name in ("jemalloc", "tcmalloc", "glibc") if name in lib)
+    summary = next(m for m in metrics if m["kind"] == "summary")
+    assert {st["memory"]["allocator"] for st in summary["stages"]} == {expected}, summary["stages"]
 
     model, cfg = load_checkpoint(run_dir / "model.safetensors")
     reloaded = validation_loss(model, batches=4, batch_size=4, context=cfg.context)
