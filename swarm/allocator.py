@@ -11,6 +11,7 @@ linker preloads it at exec, so ``ravn local`` preloads it into the peers it star
 executes itself again, once, with it. ``RAVN_ALLOCATOR`` picks one (``jemalloc``, ``tcmalloc``) or keeps
 glibc's (``system``); a ``LD_PRELOAD`` that is already set is the user's choice and is left alone.
 """
+
 from __future__ import annotations
 
 import ctypes
