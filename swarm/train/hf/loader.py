@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -143,10 +143,9 @@ def _header(shard: str, size: int, mtime_ns: int) -> tuple[int, dict]:
 
 
 class LazyTensors:
-    """A module's tensors by local key, each read from the checkpoint when taken (``pop``, ``items``).
-
-    ``items()`` hands them out one at a time and forgets each, so a caller that converts (casts,
-    quantises) as it iterates holds one stored tensor in flight, not a whole layer's.
+    """A module's tensors by local key, each read from the checkpoint when taken (``pop``) and then forgotten,
+    so a caller that converts (casts, quantises) each before it takes the next, keeping no name bound to the
+    stored copy, holds one stored tensor in flight, not a whole layer's.
     """
 
     def __init__(
@@ -171,8 +170,3 @@ class LazyTensors:
         if self._on_read is not None:
             self._on_read(key, t)
         return t
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        while self._names:
-            key = next(iter(self._names))
-            yield key, self.pop(key)

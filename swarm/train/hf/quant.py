@@ -154,6 +154,7 @@ def quantize_linears(
             q = quantized_linear(weight, bias, quant=quant, dtype=dtype, transposed=isinstance(child, Conv1D))
             module.set_submodule(name, q.to(device))
             names.append(name)
+            del weight, bias  # the stored copies go before the next read: one tensor in flight, not two
     return names
 
 

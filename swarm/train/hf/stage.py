@@ -149,9 +149,9 @@ class HFStageModel(nn.Module):
         quantized: list[str] = []
         if self.quant != "none":  # quantised from the stored (not down-cast) weights
             quantized = quantize_linears(module, quant=self.quant, dtype=self.dtype, device=self.device, raw=raw)
-        missing, unexpected = module.load_state_dict(
-            {k: self._cast(v) for k, v in raw.items()}, strict=False, assign=True
-        )
+        # no name holds a stored tensor past its conversion, so the next read finds it gone (one in flight)
+        converted = {k: self._cast(raw.pop(k)) for k in raw.keys()}
+        missing, unexpected = module.load_state_dict(converted, strict=False, assign=True)
         missing = [k for k in missing if not any(k.startswith(q + ".") for q in quantized)]
         if missing or unexpected:
             raise CheckpointError(f"{self.path}: loading {prefix}: missing {missing}, unexpected {unexpected}")
