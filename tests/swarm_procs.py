@@ -11,8 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+from swarm.allocator import peer_environment
+
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# The allocator preloaded, as ``ravn local`` gives its peers: a peer then starts once, without re-executing
+# itself (tests/test_allocator.py starts one that does).
+ENV = peer_environment({**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 class Proc:

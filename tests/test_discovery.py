@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import read_metrics
-from tests.swarm_procs import ROOT, assert_all_gone, coordinator, join_args, peer
+from tests.swarm_procs import ENV, ROOT, assert_all_gone, coordinator, join_args, peer
 
 HEARTBEAT = 1.0
 
@@ -111,7 +110,7 @@ def test_graceful_leave_is_visible_at_once(tmp_path: Path) -> None:
 
 
 def run_peer_cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "400"}  # one-line errors stay one line in rich's boxes
+    env = {**ENV, "COLUMNS": "400"}  # one-line errors stay one line in rich's boxes
     return subprocess.run(
         [sys.executable, "-m", "peer.cli", "join", *args],
         cwd=ROOT,
