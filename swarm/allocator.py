@@ -95,10 +95,43 @@ def _symbol(name: str):
         return None
 
 
-def set_mmap_threshold(nbytes: int) -> bool:
-    """glibc: allocations of ``nbytes`` or more get their own mapping, returned to the OS when freed."""
-    mallopt = _symbol("mallopt")
-    return active_allocator() == "glibc" and mallopt is not None and mallopt(M_MMAP_THRESHOLD, nbytes) == 1
+# glibc's mmap threshold while training: its own ceiling for the dynamic threshold (as if untouched), so freed
+# activations of up to 32 MiB stay in its heap. A middle block of the 0.5 B benchmark (5 layers, 3
+# micro-batches, one thread; docs/hf_scale.md) measured, threshold: seconds per step, peak over the built
+# block: 32 MiB 1.71-1.85 s, 578 MiB; 1 MiB 2.06-2.30 s, 516 MiB; 128 KiB 2.64-3.23 s, 386 MiB; 4 KiB
+# 2.64-2.69 s, 385 MiB (what autograd keeps: 365 MiB): a CPU peer pays 20-55 % in speed for any lower one.
+TRAINING_MMAP_THRESHOLD = 32 << 20
+BUILD_MMAP_THRESHOLD = 128 << 10
+_jemalloc_decay: dict[int, int] = {}  # arena -> its dirty_decay_ms before a build set it to 0
+
+
+def _mallctl_ssize(mallctl, key: str, value: int) -> int | None:
+    """Write a jemalloc ``ssize_t`` setting; its previous value, or None where jemalloc refused."""
+    old, new = ctypes.c_ssize_t(0), ctypes.c_ssize_t(value)
+    size = ctypes.c_size_t(ctypes.sizeof(old))
+    ok = mallctl(key.encode(), ctypes.byref(old), ctypes.byref(size), ctypes.byref(new), ctypes.sizeof(new)) == 0
+    return old.value if ok else None
+
+
+def hold_freed_memory(hold: bool) -> None:
+    """Whether memory freed from now on stays with the allocator for reuse (training) or goes back to the OS.
+
+    While a block is built, what is freed is a load's transient that nothing reuses, and a peak that kept
+    them would break "the block plus one tensor in flight": glibc then maps every allocation over 128 KiB
+    on its own and jemalloc purges freed pages at once (a last stage of the 0.5 B benchmark, built alone,
+    peaked 14 MiB lower); training goes back to each allocator's own policy, which reuses freed memory.
+    """
+    allocator = active_allocator()
+    if allocator == "glibc" and (mallopt := _symbol("mallopt")):
+        mallopt(M_MMAP_THRESHOLD, TRAINING_MMAP_THRESHOLD if hold else BUILD_MMAP_THRESHOLD)
+    elif allocator == "jemalloc" and (mallctl := _symbol("mallctl")):
+        narenas, size = ctypes.c_uint(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
+        mallctl(b"arenas.narenas", ctypes.byref(narenas), ctypes.byref(size), None, ctypes.c_size_t(0))
+        for arena in range(narenas.value):
+            if hold and arena in _jemalloc_decay:
+                _mallctl_ssize(mallctl, f"arena.{arena}.dirty_decay_ms", _jemalloc_decay.pop(arena))
+            elif not hold and (old := _mallctl_ssize(mallctl, f"arena.{arena}.dirty_decay_ms", 0)) is not None:
+                _jemalloc_decay.setdefault(arena, old)
 
 
 def release_free_memory() -> None:

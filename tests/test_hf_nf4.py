@@ -386,12 +386,12 @@ _QUANT_SCRATCH = """
 import sys, torch
 from swarm.train.hf.nf4 import quantize_nf4
 from swarm.train.hf.quant import quantize_absmax
-from swarm.allocator import release_free_memory, set_mmap_threshold
+from swarm.allocator import hold_freed_memory, release_free_memory
 from swarm.train.memory import proc_status, reset_peak
 quantize = quantize_nf4 if sys.argv[1] == "nf4" else quantize_absmax
 w = torch.randn(4224, 1536).to(torch.bfloat16)  # a 0.5 B Llama's MLP projection
 quantize(torch.randn(64, 128).to(torch.bfloat16))  # page in the code paths
-set_mmap_threshold(128 << 10)  # as while a peer builds its block (swarm/train/memory.py)
+hold_freed_memory(False)  # as while a peer builds its block (swarm/train/memory.py)
 release_free_memory()
 reset_peak()
 before = proc_status()["VmRSS"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.allocator import active_allocator, release_free_memory, set_mmap_threshold
+from swarm.allocator import active_allocator, hold_freed_memory, release_free_memory
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -44,16 +44,6 @@ def reset_peak() -> bool:
     except OSError:
         return False
     return True
-
-
-# While training, glibc's own ceiling for its dynamic threshold (as if untouched): freed activations of up to
-# 32 MiB stay in the heap, which costs resident memory but not time. A middle block of the 0.5 B benchmark
-# (5 layers, 3 micro-batches, one thread; docs/hf_scale.md) measured, threshold: seconds per step, peak over
-# the built block: 32 MiB 1.71-1.85 s, 578 MiB; 1 MiB 2.06-2.30 s, 516 MiB; 128 KiB 2.64-3.23 s, 386 MiB;
-# 4 KiB 2.64-2.69 s, 385 MiB (what autograd keeps: 365 MiB). A CPU peer pays 20-55 % in speed for any lower
-# threshold, so under glibc it keeps glibc's; peers run on tcmalloc or jemalloc where installed, which reuse
-# freed memory without that cost (swarm/allocator.py).
-TRAINING_MMAP_THRESHOLD = 32 << 20
 
 
 def _cuda(device: torch.device) -> bool:
@@ -95,13 +85,12 @@ class MemoryProbe:
     def before_build(self) -> None:
         """Reset the peaks and take the baseline.
 
-        glibc raises its mmap threshold after large blocks are freed (up to 32 MiB), after which freed
-        load transients stay in the heap: an fp32 block of 87 MiB then held 109 MiB anonymous. During the
-        build the threshold is pinned at 128 KiB so what the load frees goes back to the OS.
+        An allocator keeps freed memory for reuse (glibc's heap held 109 MiB anonymous for an fp32 block of
+        87 MiB), so during the build what the load frees goes back to the OS (swarm/allocator.py).
         """
         m = self.memory
         m.allocator = active_allocator()
-        set_mmap_threshold(128 << 10)
+        hold_freed_memory(False)
         release_free_memory()  # heap freed earlier (e.g. a previous block) is not this block's baseline
         m.hwm_reset = reset_peak()
         status = proc_status()
@@ -114,7 +103,7 @@ class MemoryProbe:
     def after_build(self, model: torch.nn.Module) -> None:
         m = self.memory
         release_free_memory()
-        set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
+        hold_freed_memory(True)
         status = proc_status()
         m.load_peak = status.get("VmHWM", 0) - m.rss_before
         m.resident_after_build = status.get("VmRSS", 0) - m.rss_before
