@@ -4,8 +4,8 @@ A CPU peer allocates and frees activation-sized buffers (1-100 MiB) every micro-
 serves those below its dynamic mmap threshold (up to 32 MiB) from its heaps, and a freed buffer below one
 that is still live stays resident, so a peer's peak resident memory ran 1.3-3.1x what the memory model
 counts and a plan's memory figures were not what a machine needed (docs/hf_scale.md). jemalloc reuses and
-returns that memory: the same peers peaked at 0.94-1.07x the model. tcmalloc came close (0.82-1.02x) and
-ran faster, but held 2.7x the live bytes where jemalloc held 1.0x on the pattern of
+returns that memory: the same peers peaked at 0.94-1.13x the model. tcmalloc came close (0.82-1.24x) and
+ran a little faster, but held 2.7x the live bytes where jemalloc held 1.0x on the pattern of
 ``tests/test_allocator.py``, so jemalloc comes first. An allocator replaces malloc only when the dynamic
 linker preloads it at exec, so ``ravn local`` preloads it into the peers it starts and ``ravn-peer join``
 executes itself again, once, with it. ``RAVN_ALLOCATOR`` picks one (``jemalloc``, ``tcmalloc``) or keeps
