@@ -15,10 +15,10 @@ system_packages_missing() {
     for tool in nft ip tc; do
         command -v "$tool" >/dev/null || return 0
     done
-    if command -v ldconfig >/dev/null && ! ldconfig -p | grep -q libjemalloc; then
-        return 0
-    fi
-    return 1
+    case "$(ldconfig -p 2>/dev/null)" in  # not a pipe into grep -q: under pipefail its early exit fails the test
+        *libjemalloc*) return 1 ;;
+        *) return 0 ;;
+    esac
 }
 if system_packages_missing; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -2,7 +2,7 @@
 
 A CPU peer allocates and frees activation-sized buffers (1-100 MiB) every micro-batch. glibc's malloc
 serves those below its dynamic mmap threshold (up to 32 MiB) from its heaps, and a freed buffer below one
-that is still live stays resident, so a peer's peak resident memory ran 1.3-3.1x what the memory model
+that is still live stays resident, so a peer's peak resident memory ran 1.2-3.2x what the memory model
 counts and a plan's memory figures were not what a machine needed (docs/hf_scale.md). jemalloc reuses and
 returns that memory: the same peers peaked at 0.94-1.13x the model. tcmalloc came close (0.82-1.24x) and
 ran a little faster, but held 2.7x the live bytes where jemalloc held 1.0x on the pattern of
