@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from swarm.allocator import peer_environment
 from tests.conftest import read_metrics
-from tests.swarm_procs import ENV, ROOT, assert_all_gone, coordinator, join_args, peer
+from tests.swarm_procs import ROOT, assert_all_gone, coordinator, join_args, peer
 
 HEARTBEAT = 1.0
 
@@ -110,7 +112,8 @@ def test_graceful_leave_is_visible_at_once(tmp_path: Path) -> None:
 
 
 def run_peer_cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = {**ENV, "COLUMNS": "400"}  # one-line errors stay one line in rich's boxes
+    # read now, not at import: the caller may have set RAVN_* with monkeypatch; the allocator as a peer gets it
+    env = peer_environment({**os.environ, "COLUMNS": "400"})  # one-line errors stay one line in rich's boxes
     return subprocess.run(
         [sys.executable, "-m", "peer.cli", "join", *args],
         cwd=ROOT,
