@@ -52,7 +52,7 @@ def spawn_peer(
         device,
     ]
     out = log_path.open("w")
-    env = peer_environment(  # tcmalloc or jemalloc under the peer, not glibc's malloc (swarm/allocator.py)
+    env = peer_environment(  # jemalloc (or tcmalloc) under the peer, not glibc's malloc (swarm/allocator.py)
         {
             **os.environ,
             "PYTHONUNBUFFERED": "1",

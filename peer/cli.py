@@ -256,7 +256,7 @@ enable_config(app, sections={"join": "peer.join"}, default_file=DEFAULT_CONFIG)
 
 def main() -> None:
     try:
-        exec_with_allocator()  # tcmalloc or jemalloc when installed: glibc's malloc keeps what training frees
+        exec_with_allocator()  # jemalloc (or tcmalloc) when installed: glibc's malloc keeps what training frees
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(2) from None

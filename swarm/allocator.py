@@ -2,9 +2,9 @@
 
 A CPU peer allocates and frees activation-sized buffers (1-100 MiB) every micro-batch. glibc's malloc
 serves those below its dynamic mmap threshold (up to 32 MiB) from its heaps, and a freed buffer below one
-that is still live stays resident, so a peer's peak resident memory ran 1.2-3.2x what the memory model
+that is still live stays resident, so a peer's peak resident memory ran 1.2-3.4x what the memory model
 counts and a plan's memory figures were not what a machine needed (docs/hf_scale.md). jemalloc reuses and
-returns that memory: the same peers peaked at 0.94-1.13x the model. tcmalloc came close (0.82-1.24x) and
+returns that memory: the same peers peaked at 0.97-1.13x the model. tcmalloc came close (1.02-1.24x) and
 ran a little faster, but held 2.7x the live bytes where jemalloc held 1.0x on the pattern of
 ``tests/test_allocator.py``, so jemalloc comes first. An allocator replaces malloc only when the dynamic
 linker preloads it at exec, so ``ravn local`` preloads it into the peers it starts and ``ravn-peer join``
@@ -56,8 +56,8 @@ def peer_environment(env: Mapping[str, str]) -> dict[str, str]:
     if out.get("LD_PRELOAD") or (lib := preload_library(out)) is None:
         return out
     out["LD_PRELOAD"] = lib
-    # tcmalloc reports every allocation over 1 GiB on stderr; a checkpoint's embedding is one of those
-    out.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
+    if "tcmalloc" in lib:  # it reports every allocation over 1 GiB on stderr; a checkpoint's embedding is one
+        out.setdefault("TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD", str(1 << 40))
     return out
 
 
