@@ -27,6 +27,8 @@ from swarm.train.admission import Admission
 from swarm.train.data import Corpus
 
 log = logging.getLogger(__name__)
+REPORT_FLUSH_TIMEOUT = 15.0  # seconds for the step reports that precede a failure (one report call: 10 s)
+_FAILED = object()  # the last item on the report queue when the driver fails
 MIN_REPORT_GAP = 0.25  # seconds between step reports; steps that finish meanwhile ride in the next one
 
 
@@ -60,7 +62,7 @@ class Driver:
         self._step_loss = 0.0
         self._step_tokens = 0
         self._step_t0 = time.perf_counter()
-        self._reports: asyncio.Queue[cpb.StepResult] = asyncio.Queue()
+        self._reports: asyncio.Queue[cpb.StepResult | cpb.EvalResult | object | None] = asyncio.Queue()
         self.dropped = 0
 
     def load_data(self) -> None:
@@ -146,14 +148,25 @@ class Driver:
             await self._reports.put(None)
             await reporter
         except TimeoutError as e:
-            await self._fail(str(e))
+            await self._fail_after_reports(reporter, str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - report, then let the coordinator decide
             log.exception("driver failed")
-            await self._fail(f"data source failed: {e}")
+            await self._fail_after_reports(reporter, f"data source failed: {e}")
         finally:
             reporter.cancel()
+
+    async def _fail_after_reports(self, reporter: asyncio.Task, reason: str) -> None:
+        """Report the steps finished before the failure, then the failure: the coordinator counts the steps
+        done from these reports, and a step count that depended on when the failure struck within a report
+        gap made one deterministic failure look like two different ones."""
+        self._reports.put_nowait(_FAILED)
+        try:
+            await asyncio.wait_for(reporter, REPORT_FLUSH_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - the failure below is what matters; say why steps may be missing
+            log.warning("step reports before the failure not all sent: %r", e)
+        await self._fail(reason)
 
     async def _report_steps(self) -> None:
         """Send step and eval results in order, off the gradient path; whatever piled up goes in one report."""
@@ -161,12 +174,13 @@ class Driver:
             items = [await self._reports.get()]
             while not self._reports.empty():
                 items.append(self._reports.get_nowait())
-            finished = items[-1] is None
-            items = [i for i in items if i is not None]
+            finished, failed = items[-1] is None, items[-1] is _FAILED
+            items = [i for i in items if i is not None and i is not _FAILED]
             steps = [i for i in items if isinstance(i, cpb.StepResult)]
             evals = [i for i in items if isinstance(i, cpb.EvalResult)]
-            await self._report(steps=steps, evals=evals, finished=finished)
-            if finished:
+            if steps or evals or finished:
+                await self._report(steps=steps, evals=evals, finished=finished)
+            if finished or failed:
                 return
             await asyncio.sleep(MIN_REPORT_GAP)  # fast steps: one report carries many (the coordinator rate-limits)
 
