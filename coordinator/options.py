@@ -312,7 +312,12 @@ def _train_params(
         int, typer.Option(min=0, help="Async: apply no gradient more than S weight versions late; 0 is exactly sync.")
     ] = 1,
     max_in_flight: Annotated[
-        int, typer.Option(min=0, help="Micro-batches in the pipeline at once (0: (S+1) x micro-batches).")
+        int,
+        typer.Option(
+            min=0,
+            help="Micro-batches in the pipeline at once (0: async measures what fills the pipeline, at most "
+            "(S+1) x micro-batches).",
+        ),
     ] = 0,
     grad_clip: Annotated[
         float | None,

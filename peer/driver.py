@@ -23,7 +23,7 @@ from peer.stage import Stage
 from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
-from swarm.train.admission import Admission
+from swarm.train.admission import Admission, PipeWindow
 from swarm.train.data import Corpus
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class Driver:
         self._report, self._fail, self.step_timeout = report, fail, step_timeout
         self.corpus: Corpus | None = None
         self.admission = Admission(train.micro_batches, train.staleness_bound, train.in_flight_limit)
+        # async with no fixed --max-in-flight: keep in flight what fills the pipeline, not all S allows
+        measured = train.staleness_bound > 0 and not train.max_in_flight
+        self.window = PipeWindow(floor=train.micro_batches) if measured else None
+        self._admitted_at: dict[int, float] = {}
         self._next_id = 1
         self._changed = asyncio.Event()
         self._evals: dict[int, asyncio.Future] = {}
@@ -141,7 +145,9 @@ class Driver:
                     break
                 adm.admit()
                 x, y = self._batch("train", step, index)
-                await self._forward(self._mb(step, index), x, y)
+                mb = self._mb(step, index)
+                self._admitted_at[mb.id] = time.monotonic()
+                await self._forward(mb, x, y)
             await self._until(lambda: adm.in_flight == 0, "the last gradients")
             last = first_step + adm.processed // k - 1
             await self._put_eval(await self.evaluate(last))
@@ -214,6 +220,14 @@ class Driver:
                 fut.set_result((loss_sum, tokens, dropped))
             return
         self.admission.complete()
+        admitted_at = self._admitted_at.pop(mb.id, None)
+        if self.window is not None and admitted_at is not None and not dropped:
+            now = time.monotonic()
+            self.window.completed(now, now - admitted_at)
+            size = self.window.size()
+            if size != self.admission.window:
+                log.debug("pipeline window: %s micro-batches in flight", size)
+            self.admission.window = size
         if dropped:
             self.dropped += 1
         else:

@@ -17,7 +17,9 @@ there answered with a smaller step for the early, stale stages); a few synchrono
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Admission:
     max_staleness: int  # S
     max_in_flight: int  # memory bound on micro-batches out in the pipeline
     sync_admissions: int = 0  # the first this many micro-batches are admitted as if S were 0
+    window: int | None = None  # micro-batches that fill the pipeline (PipeWindow); None: up to the bounds
     admitted: int = 0
     processed: int = 0  # gradients back at the first stage (applied or dropped)
 
@@ -45,7 +48,8 @@ class Admission:
 
     def can_admit(self) -> bool:
         bound = 0 if self.admitted < self.sync_admissions else self.max_staleness
-        return self.in_flight < self.max_in_flight and self.staleness_if_admitted() <= bound
+        cap = self.max_in_flight if self.window is None else min(self.max_in_flight, self.window)
+        return self.in_flight < cap and self.staleness_if_admitted() <= bound
 
     def admit(self) -> int:
         """Record an admission and return its sequence number."""
@@ -58,3 +62,34 @@ class Admission:
         if self.processed >= self.admitted:
             raise RuntimeError("more gradients came back than micro-batches were admitted")
         self.processed += 1
+
+
+@dataclass
+class PipeWindow:
+    """How many micro-batches in flight keep the pipeline's slowest part busy, measured as it runs.
+
+    The staleness bound S says how late a gradient may come back, not how late it should: every micro-batch
+    beyond what fills the pipeline waits in a queue, and comes back later (up to S versions) with nothing
+    gained in throughput. So the window is TCP BBR's rule, the delivery rate times the round trip with
+    nothing queued (the bandwidth-delay product), with headroom (``gain``) that lets it grow while the rate
+    grows with it. Its floor is one step's micro-batches, what the sync schedule has in flight."""
+
+    floor: int
+    gain: float = 1.25
+    samples: int = 32  # completions the rate and the shortest round trip are measured over
+    _done: deque[float] = field(default_factory=deque)
+    shortest: float = math.inf  # the shortest round trip seen: a micro-batch that met no queue
+
+    def completed(self, now: float, round_trip: float) -> None:
+        """A gradient came back at ``now``, ``round_trip`` seconds after its micro-batch was admitted."""
+        self._done.append(now)
+        self.shortest = min(self.shortest, round_trip)
+        if len(self._done) > self.samples:
+            self._done.popleft()
+
+    def size(self) -> int | None:
+        """Micro-batches to keep in flight; None until enough gradients came back to measure."""
+        if len(self._done) < self.samples or self._done[-1] <= self._done[0]:
+            return None
+        rate = (len(self._done) - 1) / (self._done[-1] - self._done[0])
+        return max(self.floor, math.ceil(self.gain * rate * self.shortest))
