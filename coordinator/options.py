@@ -315,8 +315,8 @@ def _train_params(
         int,
         typer.Option(
             min=0,
-            help="Micro-batches in the pipeline at once (0: async measures what fills the pipeline, at most "
-            "(S+1) x micro-batches).",
+            help="Micro-batches in the pipeline at once (0: (S+1) x micro-batches, those that would come back 2+ "
+            "versions late only while the measured pipeline needs them).",
         ),
     ] = 0,
     grad_clip: Annotated[

@@ -53,8 +53,8 @@ class Driver:
         self._report, self._fail, self.step_timeout = report, fail, step_timeout
         self.corpus: Corpus | None = None
         self.admission = Admission(train.micro_batches, train.staleness_bound, train.in_flight_limit)
-        # async with no fixed --max-in-flight: keep in flight what fills the pipeline, not all S allows
-        measured = train.staleness_bound > 0 and not train.max_in_flight
+        # async with no fixed --max-in-flight: admit 2+ versions late only what the pipeline needs
+        measured = train.staleness_bound >= 2 and not train.max_in_flight  # S = 1 never asks it
         self.window = PipeWindow(floor=train.micro_batches) if measured else None
         self._admitted_at: dict[int, float] = {}
         self._next_id = 1
