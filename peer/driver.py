@@ -146,7 +146,8 @@ class Driver:
                 adm.admit()
                 x, y = self._batch("train", step, index)
                 mb = self._mb(step, index)
-                self._admitted_at[mb.id] = time.monotonic()
+                if self.window is not None:
+                    self._admitted_at[mb.id] = time.monotonic()
                 await self._forward(mb, x, y)
             await self._until(lambda: adm.in_flight == 0, "the last gradients")
             last = first_step + adm.processed // k - 1

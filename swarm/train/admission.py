@@ -84,7 +84,7 @@ class PipeWindow:
 
     floor: int
     gain: float = 1.25
-    samples: int = 32  # completions the rate and the shortest round trip are measured over
+    samples: int = 32  # the latest completions the delivery rate is measured over
     _done: deque[float] = field(default_factory=deque)
     shortest: float = math.inf  # the shortest round trip seen: a micro-batch that met no queue
 
