@@ -95,6 +95,8 @@ def run_one(variant: Variant, seed: int, args: argparse.Namespace, runs_dir: Pat
             cmd += ["--error-feedback-backward", variant.feedback]
         if variant.staleness >= 0:
             cmd += ["--schedule", "async", "--max-staleness", str(variant.staleness)]
+        else:
+            cmd += ["--schedule", "sync"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{variant.label} seed {seed} failed:\n{proc.stdout}\n{proc.stderr}")
