@@ -54,9 +54,15 @@ def test_a_preload_the_user_set_stays_and_system_keeps_glibc(monkeypatch: pytest
         peer_environment({"RAVN_ALLOCATOR": "glib"})
 
 
-def test_no_allocator_installed_keeps_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_allocator_installed_adds_only_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(allocator.ctypes.util, "find_library", lambda name: None)
-    assert peer_environment({"A": "1"}) == {"A": "1"}
+    assert peer_environment({"A": "1"}) == {"A": "1", "THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def test_peers_get_huge_pages_unless_the_user_said_otherwise() -> None:
+    """docs/codecs.md: half of a large decode was page faults, which PyTorch's huge pages remove."""
+    assert peer_environment({"RAVN_ALLOCATOR": "system"})["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert peer_environment({"RAVN_ALLOCATOR": "system", "THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 @linux
@@ -77,23 +83,37 @@ def test_a_peers_freed_activations_do_not_stay_resident() -> None:
 @linux
 def test_a_peer_started_by_hand_runs_on_the_allocator() -> None:
     lib = _needs_an_allocator()
-    env = {**os.environ, "COLUMNS": "400"}
+    env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     env.pop("RAVN_ALLOCATOR", None)
+    expected = "jemalloc" if "jemalloc" in lib else "tcmalloc"
+    assert f"malloc: {expected}" in _join_by_hand(env).stderr
+
+
+def _join_by_hand(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``ravn-peer join`` as a user types it, refused at its coordinator key after it has started logging."""
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
     proc = subprocess.run(
         [sys.executable, "-m", "peer.cli", "join", "--swarm", "s", "--initial-peers", unreachable]
         + ["--coordinator-key", "nonsense", "--swarm-token", generate_token()],
         cwd=ROOT,
-        env=env,
+        env={**env, "COLUMNS": "400"},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode != 0  # the key is refused after the peer has started logging
+    assert proc.returncode != 0
     assert "--coordinator-key is not a public key" in proc.stderr, proc.stderr
-    expected = "jemalloc" if "jemalloc" in lib else "tcmalloc"
-    assert f"malloc: {expected}" in proc.stderr, proc.stderr
+    return proc
+
+
+@linux
+def test_a_peer_started_by_hand_runs_on_huge_pages_as_ravn_locals_do() -> None:
+    env = {**os.environ, "RAVN_ALLOCATOR": "system"}  # no allocator needed: the huge pages alone
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    env.pop("LD_PRELOAD", None)
+    assert "huge pages: on" in _join_by_hand(env).stderr
+    assert "huge pages: off" in _join_by_hand({**env, "THP_MEM_ALLOC_ENABLE": "0"}).stderr
 
 
 def test_a_wrong_allocator_name_is_one_line_for_the_peer_and_ravn_local() -> None:
