@@ -9,7 +9,7 @@ the code can do), with ``torch.set_num_threads(1)`` because a volunteer PC spend
 the model. ``enc+dec GB/s`` is ``numel * 4 / (t_encode + t_decode)``, the figure the target of issue
 #19 is stated in (>= 2 GB/s); rows that meet it are marked.
 
-Peers run with ``THP_MEM_ALLOC_ENABLE=1`` (``coordinator/local_swarm.py``): half of a decode into a fresh
+Peers run with ``THP_MEM_ALLOC_ENABLE=1`` (``swarm/allocator.py``): half of a decode into a fresh
 64 MiB tensor is page faults without it. The benchmark therefore re-executes itself with that variable
 set unless ``--no-thp`` is given, and says which in the header.
 

@@ -52,12 +52,11 @@ def spawn_peer(
         device,
     ]
     out = log_path.open("w")
-    env = peer_environment(  # jemalloc (or tcmalloc) under the peer, not glibc's malloc (swarm/allocator.py)
+    env = peer_environment(  # jemalloc (or tcmalloc) and huge pages under the peer (swarm/allocator.py)
         {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": str(max(threads, 1)),
-            "THP_MEM_ALLOC_ENABLE": "1",
             DIE_WITH_PARENT_ENV: str(os.getpid()),
             "RAVN_SWARM_TOKEN": token,
         }

@@ -16,7 +16,7 @@ import uvloop
 from peer.daemon import PeerDaemon, PeerSettings
 from peer.discovery import Discovery, DiscoveryError, DiscoverySettings
 from peer.faults import POISON_MODES, Faults
-from swarm.allocator import active_allocator, exec_with_allocator
+from swarm.allocator import THP_ENV, active_allocator, exec_with_allocator
 from swarm.config_file import enable_config
 from swarm.lifecycle import die_with_parent_if_asked
 from swarm.logs import setup_logging
@@ -194,7 +194,7 @@ def join(
     memory_limit = _memory(memory)
     peer_id = name or f"{socket.gethostname()}-{os.getpid()}"
     setup_logging(log_level, prefix=f"[{peer_id}] ")
-    log.info("malloc: %s", active_allocator())
+    log.info("malloc: %s, huge pages: %s", active_allocator(), "on" if os.environ.get(THP_ENV) == "1" else "off")
     try:
         discovery = Discovery(
             DiscoverySettings(
@@ -256,7 +256,7 @@ enable_config(app, sections={"join": "peer.join"}, default_file=DEFAULT_CONFIG)
 
 def main() -> None:
     try:
-        exec_with_allocator()  # jemalloc (or tcmalloc) when installed: glibc's malloc keeps what training frees
+        exec_with_allocator()  # jemalloc (or tcmalloc) when installed, and huge pages: swarm/allocator.py
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(2) from None

@@ -10,6 +10,11 @@ ran a little faster, but held 2.7x the live bytes where jemalloc held 1.0x on th
 linker preloads it at exec, so ``ravn local`` preloads it into the peers it starts and ``ravn-peer join``
 executes itself again, once, with it. ``RAVN_ALLOCATOR`` picks one (``jemalloc``, ``tcmalloc``) or keeps
 glibc's (``system``); a ``LD_PRELOAD`` that is already set is the user's choice and is left alone.
+
+The same goes for PyTorch's ``THP_MEM_ALLOC_ENABLE=1`` (transparent huge pages for CPU tensors of 2 MiB
+and more): half of decoding a large tensor was page faults, which it removes (docs/codecs.md). PyTorch
+reads it once, at its first large allocation, so a peer gets it in its environment from the start; a
+value the user set stays.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from functools import cache
 from pathlib import Path
 
 ENV = "RAVN_ALLOCATOR"
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
 # Library names as the dynamic linker knows them, in order of preference: jemalloc (Debian: libjemalloc2),
 # then gperftools' tcmalloc (libtcmalloc-minimal4), the two PyTorch's CPU launcher offers (torch.backends.xeon).
 LIBRARIES = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc")}
@@ -51,8 +57,9 @@ def preload_library(env: Mapping[str, str] = os.environ) -> str | None:
 
 
 def peer_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` for a peer process: the allocator preloaded, unless ``LD_PRELOAD`` is set already."""
+    """``env`` for a peer process: huge pages on and the allocator preloaded, unless the user set either."""
     out = dict(env)
+    out.setdefault(THP_ENV, "1")
     if out.get("LD_PRELOAD") or (lib := preload_library(out)) is None:
         return out
     out["LD_PRELOAD"] = lib
@@ -62,13 +69,13 @@ def peer_environment(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def exec_with_allocator() -> None:
-    """Start this program again with the allocator preloaded; returns when there is nothing to change.
+    """Start this program again in a peer's environment (allocator, huge pages); returns when nothing changes.
 
-    The new process finds ``LD_PRELOAD`` set and returns from here, so this happens at most once. It keeps
+    The new process finds its environment complete and returns from here, so this happens at most once. It keeps
     its PID, so a parent that waits for it (or tests that read its ``/proc``) see no difference.
     """
     env = peer_environment(os.environ)
-    if env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD"):
+    if all(os.environ.get(name) == value for name, value in env.items()):
         return
     sys.stdout.flush()
     sys.stderr.flush()
