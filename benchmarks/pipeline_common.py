@@ -33,7 +33,7 @@ CAPS: dict[str, tuple[str, ...]] = {
     "50mbit": ("50mbit",) * 3,
     "10mbit": ("10mbit",) * 3,
     # Where the link, not these 2 CPU cores, sets the pace at the int3_rot default (~65 bytes per token
-    # each way on the middle peer's link: ~1,900 tokens/s at 1 Mbit/s, about half of what the cores do),
+    # each way on the middle peer's link: 1,466-1,611 tokens/s measured at 1 Mbit/s, about half of what the cores do),
     # as 10 and 50 Mbit/s are for a GPU peer: what async buys when the wire is the bottleneck.
     "1mbit": ("1mbit",) * 3,
     "mix": ("cable:200/20", "fiber", "lte:50/10"),
