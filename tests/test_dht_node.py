@@ -1,12 +1,14 @@
 """An owned DHT node never hangs its owner: a start that does not report is cut off at a deadline, a
 process that dies before it is ready is reported at once, a lock left held by a killed DHT process is
-replaced, a SIGTERM never lands mid-write, a node forked while gRPC is busy in another thread starts, and
-a process that stays silent is reported with its and its owner's stacks, and started afresh by start_dht."""
+replaced, a SIGTERM never lands mid-write, a node forked while gRPC is busy in another thread starts, the
+owner's garbage is never finalised in the DHT process, and a process that stays silent is reported with its
+and its owner's stacks, and started afresh by start_dht."""
 
 from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -17,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from hivemind.utils.mpfuture import MPFuture
 
@@ -178,3 +181,56 @@ def test_dht_nodes_forked_while_another_thread_is_inside_grpc_all_start() -> Non
         env=env,
     )
     assert proc.returncode == 0 and "all started" in proc.stdout, proc.stderr[-3000:]
+
+
+class _CollectingDHT(OwnedDHT):
+    """A DHT process whose first act is a full collection, as its allocator may start one at any moment."""
+
+    def run(self) -> None:
+        gc.collect()
+        super().run()
+
+
+class _FinalisedWhere:
+    """Garbage that records which process finalised it."""
+
+    def __init__(self, record: Path) -> None:
+        self.record = record
+        self.cycle = self  # only the collector frees it
+
+    def __del__(self) -> None:
+        with self.record.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _a_grpc_channel_left_to_the_collector() -> None:
+    async def open_one() -> None:
+        channel = grpc.aio.insecure_channel("127.0.0.1:1")
+        cycle = {"channel": channel}
+        cycle["cycle"] = cycle  # as a traceback or a callback closure holding it would
+
+    asyncio.run(open_one())
+
+
+def test_garbage_the_owner_left_to_its_collector_is_never_finalised_in_the_dht_process(tmp_path: Path) -> None:
+    """CI's membership node hung 60 s, twice, in the collector: the child finalised a gRPC aio channel the
+    owner had left in a cycle, and gRPC's shutdown then waits, in a loop, for a poller thread that only the
+    owner has. Any finaliser of the owner's is wrong to run in the DHT process."""
+    record = tmp_path / "finalised-in"
+    was_enabled = gc.isenabled()
+    gc.disable()  # so that the owner does not collect them itself before the fork
+    try:
+        _FinalisedWhere(record)
+        _a_grpc_channel_left_to_the_collector()
+        started = time.monotonic()
+        node = _CollectingDHT(start=True, host_maddrs=LOCALHOST, ready_timeout=20)
+    finally:
+        if was_enabled:
+            gc.enable()
+    try:
+        assert time.monotonic() - started < 20
+        assert node.get_visible_maddrs()
+    finally:
+        node.shutdown()
+    gc.collect()
+    assert record.read_text().split() == [str(os.getpid())]  # finalised once, by its owner
