@@ -22,9 +22,15 @@ lock leaves it held for good, and every later node of that owner then waits for 
 this. So a child's SIGTERM exits between its event loop's callbacks, never mid-write; the owner waits
 for "ready" with a deadline, and a lock found stuck after it is replaced, so that the next start works.
 
+The child inherits the owner's uncollected garbage, and its collector would run the owner's finalisers
+there: a gRPC aio channel left in a reference cycle shuts gRPC's aio layer down when finalised, which
+waits in a loop for a poller thread that exists only in the owner, so the child spun in its collector
+and never said "ready" (CI, twice in a row, 60 s each). The owner therefore freezes its collector's
+objects across the fork (``gc.freeze``): the child never collects what it inherited, and copies fewer
+of the owner's pages on write.
+
 A child that lives but never says "ready" is asked for its stacks (faulthandler, SIGUSR1) before it is
-killed, and the owner's own are taken beside them: a hang once seen in CI (a membership node silent for
-60 s, its lock free) left nothing to say where it was, so the error now carries both, and
+killed, and the owner's own are taken beside them (they found the collector hang above), and
 ``start_dht`` starts one fresh process after such a hang.
 """
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -211,7 +218,11 @@ class OwnedDHT(hivemind.DHT):
             raise RuntimeError(
                 "start the DHT node from the main thread: its process would die with the thread that forks it"
             )
-        super().start()
+        gc.freeze()  # the child never collects what it inherits (see the module's docstring)
+        try:
+            super().start()
+        finally:
+            gc.unfreeze()  # the owner's own collector goes on as before
 
     def run(self) -> None:  # runs in the forked DHT process
         signal.signal(signal.SIGTERM, _exit_between_callbacks)
@@ -234,8 +245,9 @@ def _proc_state(pid: int) -> str:
 def start_dht(*, dht_class: type[OwnedDHT] = OwnedDHT, attempts: int = HANG_ATTEMPTS, **kwargs: object) -> OwnedDHT:
     """Start a DHT node; a start that hung (its process alive, silent) is retried in a fresh process.
 
-    A fresh fork does not inherit what the silent one waited on in itself; a start that failed in any
-    other way (p2pd refused, the process died) is the caller's to handle, as before.
+    A fresh fork helps where the first one copied the owner mid-change (a lock another thread of the
+    owner held at that moment); what the owner keeps holding, it inherits again. A start that failed in
+    any other way (p2pd refused, the process died) is the caller's to handle, as before.
     """
     for attempt in range(1, attempts):
         try:
