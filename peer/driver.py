@@ -130,7 +130,7 @@ class Driver:
         self._task = asyncio.current_task()
         self._first_step = first_step
         adm, k = self.admission, self.train.micro_batches
-        adm.sync_admissions = max(0, self.train.warmup_steps - first_step) * k  # the warm-up runs sync
+        adm.sync_admissions = max(0, self.train.async_from - first_step) * k
         reporter = asyncio.create_task(self._report_steps())
         self._step_t0 = time.perf_counter()
         try:

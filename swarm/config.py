@@ -123,6 +123,7 @@ class TrainConfig:
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_steps: int = 20
+    sync_steps: int = 60  # async: the first steps run synchronously (the warm-up at least; see admission.py)
     grad_clip: float = 0.0
     data: str = "stdlib"
     data_seed: int = 0
@@ -148,8 +149,8 @@ class TrainConfig:
             raise ValueError(f"steps, micro_batches and micro_batch_size must be positive: {self}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; available: {', '.join(SCHEDULES)}")
-        if self.max_staleness < 0 or self.max_in_flight < 0:
-            raise ValueError("max_staleness and max_in_flight must not be negative")
+        if self.max_staleness < 0 or self.max_in_flight < 0 or self.sync_steps < 0:
+            raise ValueError("max_staleness, max_in_flight and sync_steps must not be negative")
         if self.average_every <= 0 or self.average_timeout <= 0 or self.outer_lr <= 0:
             raise ValueError("average_every, average_timeout and outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
@@ -161,6 +162,11 @@ class TrainConfig:
     def staleness_bound(self) -> int:
         """S: how many weight versions late a gradient may be applied (0 for sync)."""
         return 0 if self.schedule == "sync" else self.max_staleness
+
+    @property
+    def async_from(self) -> int:
+        """The first step whose gradients may come back late: the warm-up and ``sync_steps`` run sync."""
+        return max(self.warmup_steps, self.sync_steps)
 
     @property
     def in_flight_limit(self) -> int:

@@ -131,7 +131,9 @@ def test_an_async_lora_run_keeps_only_adapters_for_stale_backwards(tmp_path: Pat
         "--schedule",
         "async",
         "--warmup-steps",
-        "2",  # the warm-up runs synchronously: keep it short of these short runs
+        "2",  # the warm-up and the sync steps run synchronously: keep them short of these short runs
+        "--sync-steps",
+        "2",
         "--max-staleness",
         "1",
     )

@@ -1,4 +1,5 @@
-"""Bounded staleness: the admission rule, and a stage's own enforcement (drop, kept weights)."""
+"""Bounded staleness: the admission rule, the sync steps before it, and a stage's own enforcement (drop, kept
+weights, a step shrunk by its gradients' lateness)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typer.testing import CliRunner
 
 from coordinator.options import RunOptions, with_train_options
 from swarm.config import ModelConfig, TrainConfig
+from swarm.messages import train_from_pb, train_to_pb
 from swarm.train.admission import Admission
-from swarm.train.stage_runner import StageRunner
+from swarm.train.stage_runner import StageRunner, staleness_lr_scale
 
 CFG = ModelConfig(n_layers=2, d_model=16, n_heads=2, context=8, seed=1)
 
@@ -80,6 +82,20 @@ def test_admission_never_breaks_the_bound(k: int, s: int, cap: int, moves: list[
             assert a.processed // k - version_at_forward[seq] <= s
             a.complete()
         assert a.in_flight <= cap
+
+
+def test_async_runs_its_first_sync_steps_synchronously_and_the_warm_up_at_least() -> None:
+    assert recipe("--schedule", "async").async_from == 60
+    assert recipe("--schedule", "async", "--sync-steps", "0").async_from == 20  # the lr warm-up, always
+    assert recipe("--schedule", "async", "--sync-steps", "0", "--warmup-steps", "0").async_from == 0
+    assert train_from_pb(train_to_pb(recipe("--schedule", "async", "--sync-steps", "90"))).sync_steps == 90
+
+
+def test_a_step_of_late_gradients_is_shrunk_by_their_mean_lateness_and_a_fresh_one_is_not() -> None:
+    assert staleness_lr_scale(0, 4) == 1.0  # nothing late: exactly the schedule's rate (S = 0 is sync)
+    assert staleness_lr_scale(4, 4) == 0.5  # all one version late
+    assert staleness_lr_scale(3, 4) == 1 / 1.75
+    assert staleness_lr_scale(0, 0) == 1.0  # a step of dropped gradients only
 
 
 def runner(s: int) -> StageRunner:
@@ -212,3 +228,17 @@ def test_a_forward_that_will_be_stale_runs_on_weights_predicted_that_many_update
     miss_current = sum(float((now[k] - after[k]).norm() ** 2) for k in after)
     assert miss_predicted < 0.1 * miss_current
     assert r.backward(12, g).staleness == 1
+
+
+def test_a_stage_steps_at_the_rate_its_gradients_lateness_allows() -> None:
+    """S = 1, one micro-batch per step: the first update is fresh and takes the schedule's rate, the second
+    applies a gradient one version late and takes half of it; weight prediction then assumes that half."""
+    torch.manual_seed(0)
+    r = runner(s=1)
+    x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 16)
+    r.forward(1, x)
+    r.forward(2, x)
+    assert r.backward(1, g).stepped
+    assert r.optimizer.param_groups[0]["lr"] == r.train_cfg.lr_at(0) and r.lr_scale == 1.0
+    assert r.backward(2, g).staleness == 1
+    assert r.optimizer.param_groups[0]["lr"] == r.train_cfg.lr_at(1) * 0.5 and r.lr_scale == 0.5

@@ -10,9 +10,11 @@ is exactly the synchronous GPipe schedule (a step's K micro-batches, then the up
 Stages still check on their own and drop any gradient that would break the bound (a slow or
 recovering peer), so the bound holds even when this prediction is wrong.
 
-The learning-rate warm-up runs synchronously (``sync_admissions``): while the weights move fastest
-relative to their size, a late gradient is furthest from the one it stands for (PipeMare's observation,
-there answered with a smaller step for the early, stale stages); a few synchronous steps cost little.
+The first steps run synchronously (``sync_admissions``: the learning-rate warm-up, and ``--sync-steps``,
+60 by default, beyond it): while the weights move fastest relative to their size, a late gradient is
+furthest from the one it stands for (PipeMare's observation, there answered with a smaller step for the
+early, stale stages). Starting async at step 20, where the warm-up ends, some runs fell ~8% behind sync
+within a few steps and never caught up; starting at 60 they did not (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

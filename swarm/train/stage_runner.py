@@ -99,6 +99,8 @@ class StageRunner:
         self._quotas: deque[int] | None = None  # a replica: gradients per step, learned from step markers
         self.anchor: dict[str, torch.Tensor] | None = None  # a replica: parameters the group last agreed on
         self._outer_momentum: dict[str, torch.Tensor] = {}
+        self._late = self._applied = 0  # this step's applied gradients and the versions they were late, summed
+        self.lr_scale = 1.0  # the last step's staleness_lr_scale; weight prediction assumes it holds
 
     @property
     def is_first(self) -> bool:
@@ -256,7 +258,7 @@ class StageRunner:
 
         The direction is Adam's own (bias-corrected first moment over the root of the second) with its
         decoupled weight decay, at the learning rates of those steps; None before the first update."""
-        lr = sum(self.train_cfg.lr_at(self.version + i) for i in range(steps))
+        lr = sum(self.train_cfg.lr_at(self.version + i) for i in range(steps)) * self.lr_scale
         predicted, names = {}, {id(p): n for n, p in self._named_trainable()}
         with torch.no_grad():
             for group in self.optimizer.param_groups:
@@ -284,6 +286,8 @@ class StageRunner:
 
     def _after_backward(self, staleness: int) -> bool:
         self.metrics.staleness[staleness] = self.metrics.staleness.get(staleness, 0) + 1
+        self._late += staleness
+        self._applied += 1
         return self._micro_batch_done()
 
     def _micro_batch_done(self) -> bool:
@@ -382,8 +386,10 @@ class StageRunner:
 
     def step(self) -> None:
         """Apply the accumulated gradients; the weight version counts these steps."""
+        self.lr_scale = staleness_lr_scale(self._late, self._applied)
+        self._late = self._applied = 0
         for group in self.optimizer.param_groups:
-            group["lr"] = self.train_cfg.lr_at(self.version)
+            group["lr"] = self.train_cfg.lr_at(self.version) * self.lr_scale
         grads = [p.grad for p in self.trainable if p.grad is not None]
         if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
             self.metrics.skipped_steps += 1  # never write NaN into the weights: drop this step's gradients
@@ -455,11 +461,23 @@ class StageRunner:
         self.version = version
         self._pending.clear()
         self.kept.clear()
-        self._backwards = 0
+        self._backwards = self._late = self._applied = 0
         if self._quotas is not None:
             self._quotas.clear()
         if self.anchor is not None:
             self.start_averaging()
+
+
+def staleness_lr_scale(late: int, applied: int) -> float:
+    """The learning rate's factor for a step whose ``applied`` gradients came back ``late`` versions late in all.
+
+    A gradient d versions late tolerates about 1/(1 + d) of the step size a fresh one does (delayed SGD;
+    staleness-aware async SGD divides the rate by the staleness), and a step of the first stage under
+    S = 1 is mostly one version late, the last stage's never. 1/(1 + mean lateness) costs a fresh step
+    nothing, so S = 0 stays exactly sync; on gpt-small at 3e-3 it cut async S = 1's loss cost from
+    +8.4% to +3.0% (2 seeds, docs/BENCHMARKS.md).
+    """
+    return 1.0 / (1.0 + late / applied) if applied else 1.0
 
 
 def _count(targets: torch.Tensor) -> int:
