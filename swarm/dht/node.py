@@ -218,11 +218,13 @@ class OwnedDHT(hivemind.DHT):
             raise RuntimeError(
                 "start the DHT node from the main thread: its process would die with the thread that forks it"
             )
+        frozen_before = gc.get_freeze_count()  # an owner that froze objects itself keeps them frozen
         gc.freeze()  # the child never collects what it inherits (see the module's docstring)
         try:
             super().start()
         finally:
-            gc.unfreeze()  # the owner's own collector goes on as before
+            if not frozen_before:
+                gc.unfreeze()  # the owner's own collector goes on as before
 
     def run(self) -> None:  # runs in the forked DHT process
         signal.signal(signal.SIGTERM, _exit_between_callbacks)
