@@ -9,6 +9,11 @@ the code can do), with ``torch.set_num_threads(1)`` because a volunteer PC spend
 the model. ``enc+dec GB/s`` is ``numel * 4 / (t_encode + t_decode)``, the figure the target of issue
 #19 is stated in (>= 2 GB/s); rows that meet it are marked.
 
+``int4_rot+zstd`` and ``int3_rot+zstd`` are those codecs as the wire sends them by default on wide models
+(``--wire-zstd on``): encode plus the lossless zstd coding of codes and scales into the wire message
+(``encoded_to_pb``), and back (``tensor_from_pb``), so they include protobuf's copy of the payload. How much
+zstd takes off depends on the data: these synthetic tensors compress less than trained boundaries do.
+
 Peers run with ``THP_MEM_ALLOC_ENABLE=1`` (``swarm/allocator.py``): half of a decode into a fresh
 64 MiB tensor is page faults without it. The benchmark therefore re-executes itself with that variable
 set unless ``--no-thp`` is given, and says which in the header.
@@ -34,8 +39,9 @@ from pathlib import Path
 import torch
 
 from swarm.wire.codecs import decode, encode
+from swarm.wire.packets import encoded_to_pb, tensor_from_pb
 
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")
+CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "int4_rot+zstd", "int3_rot+zstd")
 TARGET_GBS = 2.0  # encode + decode, GB/s of float32 input (issue #19)
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -116,16 +122,62 @@ def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y.float()).norm() / x.norm())
 
 
-def measure(name: str, x: torch.Tensor, codec: str, repeats: int, block_size: int) -> Row:
+def measure(name: str, x: torch.Tensor, label: str, repeats: int, block_size: int) -> Row:
+    """One row; ``label`` is a codec, or ``codec+zstd`` for the coded wire message (see the docstring)."""
+    codec, _, coded = label.partition("+")
     options = {"block_size": block_size, "seed": 1234}
     if name == "gradients":  # as a stage sends them: fp32 scales first where its last gradient needed them
         options["small"] = len(encode(x, codec, **options).scales) == 4 * -(-x.numel() // block_size)
-    enc = encode(x, codec, **options)
-    err = rel_err(x, decode(enc))
+    if coded:
+
+        def enc_fn() -> object:
+            return encoded_to_pb(encode(x, codec, **options), zstd=True)
+
+        def dec_fn(msg: object) -> torch.Tensor:
+            return tensor_from_pb(msg, max_elements=x.numel())
+
+        def nbytes(msg: object) -> int:
+            return len(msg.payload) + len(msg.scales)
+    else:
+
+        def enc_fn() -> object:
+            return encode(x, codec, **options)
+
+        dec_fn = decode
+
+        def nbytes(enc: object) -> int:
+            return enc.nbytes
+
+    enc = enc_fn()
+    err = rel_err(x, dec_fn(enc))
     gb = x.numel() * 4 / 1e9
-    t_enc, b_enc = times(lambda: encode(x, codec, **options), repeats)
-    t_dec, b_dec = times(lambda: decode(enc), repeats)
-    return Row(name, codec, enc.nbytes / (x.numel() * 4), err, gb, t_enc, t_dec, b_enc, b_dec)
+    t_enc, b_enc = times(enc_fn, repeats)
+    t_dec, b_dec = times(lambda: dec_fn(enc), repeats)
+    return Row(name, label, nbytes(enc) / (x.numel() * 4), err, gb, t_enc, t_dec, b_enc, b_dec)
+
+
+def rotation_floor(x: torch.Tensor, block_size: int, repeats: int) -> tuple[float, float]:
+    """(median ms, GFLOP/s) of the rotated codecs' rotation alone over ``x``, one direction.
+
+    It is the same dense ``block x block`` matmul per chunk that ``quantize`` runs (signs folded in),
+    without any of the quantisation around it: twice this (encode and decode) is a floor under every
+    rotated codec's encode + decode, whatever the rest costs.
+    """
+    from swarm.wire.hadamard import BlockRotation
+    from swarm.wire.quantize import CPU_CHUNK_ELEMS
+
+    rotation = BlockRotation(1234, block_size)
+    rows = CPU_CHUNK_ELEMS // block_size
+    blocks = x[: x.numel() // block_size * block_size].view(-1, block_size)
+    out, spare = torch.empty(rows, block_size), torch.empty(rows, block_size)
+
+    def run() -> None:
+        for chunk in blocks.split(rows):
+            k = chunk.shape[0]
+            rotation.forward(chunk, out[:k], spare[:k])
+
+    median, _ = times(run, repeats)
+    return median * 1e3, 2 * blocks.numel() * block_size / median / 1e9
 
 
 def measure_hivemind(name: str, x: torch.Tensor, repeats: int) -> list[Row]:
@@ -295,6 +347,14 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.1f}"
     )
     print_table(rows, header)
+    if any(c.partition("+")[0] in ("int4_rot", "int3_rot") for c in args.codecs):
+        ms, gflops = rotation_floor(tensors["activations"], args.block_size, args.repeats)
+        budget = numel * 4 / 1e9 / TARGET_GBS * 1e3
+        print(
+            f"rotation alone ({args.block_size}x{args.block_size} matmul per block, one direction): {ms:.1f} ms "
+            f"median at {gflops:.0f} GFLOP/s; encode + decode rotate twice, {2 * ms:.1f} ms against the "
+            f"{budget:.1f} ms that {TARGET_GBS:g} GB/s allows for everything"
+        )
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "codecs.md").write_text(markdown(rows, header))
     if not args.no_plot:
