@@ -63,3 +63,39 @@ def test_the_plan_keep_alive_outlives_a_store_that_timed_out(tmp_path: Path) -> 
         return membership.published
 
     assert asyncio.run(keep_alive()) >= 2
+
+
+class SlowRecords(Records):
+    """Every plan store lasts 2.5 heartbeats, as one does while a replica holds its connection and answers
+    nothing (tests/test_heartbeat_stall.py, the peers' side, on a real DHT)."""
+
+    def __init__(self, records) -> None:
+        super().__init__(records)
+        self.s.heartbeat = 0.1
+        self.started: list[float] = []
+
+    async def publish(self, plan) -> bool:
+        self.started.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(2.5 * self.s.heartbeat)
+        return True
+
+
+def test_a_slow_plan_store_does_not_delay_the_next(tmp_path: Path) -> None:
+    """The plan lives three heartbeats: stores one heartbeat apart keep it alive however long each takes."""
+    membership = SlowRecords([record("p0"), record("p1")])
+    run = make_run(tmp_path, membership)
+    run.planning.control_endpoint = "/ip4/127.0.0.1/tcp/1"
+    run.planning.plan = run.planning.publishable([(0, 1, [("p0", "/ip4/127.0.0.1/tcp/1000")])])
+
+    async def keep_alive() -> list[float]:
+        task = asyncio.create_task(run.roster.keep_plan_alive())
+        try:
+            await asyncio.sleep(10.5 * membership.s.heartbeat)
+            assert not task.done(), task.exception()
+        finally:
+            task.cancel()
+        return membership.started
+
+    started = asyncio.run(keep_alive())
+    gaps = [b - a for a, b in zip(started, started[1:], strict=False)]
+    assert len(started) >= 8 and max(gaps) < 1.5 * membership.s.heartbeat, gaps
