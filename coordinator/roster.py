@@ -21,11 +21,13 @@ from coordinator.run_flow import RunFlow
 from coordinator.run_record import RunRecord
 from coordinator.run_settings import RunFailed, RunSettings
 from coordinator.sessions import Sessions
+from swarm.dht.refresh import refresh_every
 from swarm.dht.schema import PeerRecord, Plan
 from swarm.pb import control_pb2 as cpb
 
 log = logging.getLogger(__name__)
 
+PLAN_STORES_IN_FLIGHT = 3  # a stalled store lasts two DHT RPC waits (6 s): three heartbeats of 2 s
 JOIN_MIN_GAIN = 0.05  # a joining peer reshuffles the swarm only for more than this predicted throughput gain
 
 
@@ -78,11 +80,12 @@ class Roster:
             return None
 
     async def keep_plan_alive(self) -> None:
-        """Re-publish the current plan every heartbeat (DHT values expire)."""
-        while True:
-            await asyncio.sleep(self.membership.s.heartbeat)
-            if self.planning.plan is not None:
-                await self.publish(self.planning.plan)
+        """Re-publish the current plan every heartbeat (DHT values expire), each store on its own clock."""
+        await refresh_every(
+            self.membership.s.heartbeat,
+            lambda: None if self.planning.plan is None else self.publish(self.planning.plan),
+            PLAN_STORES_IN_FLIGHT,
+        )
 
     async def gather(self) -> list[PeerRecord]:
         """Wait until enough peers announce themselves in the DHT; the first ``peers`` by id form the plan."""

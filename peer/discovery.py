@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,6 +20,7 @@ from swarm.config import PROTOCOL_VERSION
 from swarm.dht.keys import load_public_key
 from swarm.dht.node import HANG_ATTEMPTS, DHTStartError, OwnedDHT, start_dht
 from swarm.dht.records import announce_peer, dht_record_validators, fetch_plan, withdraw_peer
+from swarm.dht.refresh import refresh_every
 from swarm.dht.schema import PeerRecord, Plan, validate_swarm_name
 from swarm.dht.signing import new_key
 
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 RESTART_FIRST_DELAY_S = 1.0  # a failed restart as a client is retried after this, then twice as long...
 RESTART_MAX_DELAY_S = 8.0  # ...up to this
+MAX_ANNOUNCING = 4  # stores in flight: a stalled one lasts two DHT RPC waits (6 s), 3 heartbeats of 2 s
 
 
 class DiscoveryError(RuntimeError):
@@ -72,6 +75,8 @@ class Discovery:
         self.dht: OwnedDHT | None = None
         self.record: PeerRecord | None = None
         self.signing_key = new_key()  # this process's identity: every record it announces is signed
+        # stalled stores wait here, not in the loop's shared pool, where they would hold up other work
+        self._announcer = ThreadPoolExecutor(MAX_ANNOUNCING, thread_name_prefix="announce")
         self._plan_version = 0
 
     def start(self, client_mode: bool = False) -> None:
@@ -181,11 +186,17 @@ class Discovery:
             "(the swarm may be full)"
         )
 
+    @property
+    def ttl(self) -> float:
+        """How long an announcement lives: three heartbeats, so one lost heartbeat does not drop the peer."""
+        return 3 * self.s.heartbeat
+
     async def announce(self, record: PeerRecord) -> None:
         self.record = record
         try:
-            ok = await asyncio.to_thread(
-                announce_peer, self.dht, self.s.swarm, record, 3 * self.s.heartbeat, signing_key=self.signing_key
+            ok = await asyncio.get_running_loop().run_in_executor(
+                self._announcer,
+                partial(announce_peer, self.dht, self.s.swarm, record, self.ttl, signing_key=self.signing_key),
             )
         except TimeoutError:  # a stalled DHT: one missed heartbeat, never the end of the heartbeat task
             ok = False
@@ -193,10 +204,10 @@ class Discovery:
             log.warning("announcing this peer in the DHT failed; retrying at the next heartbeat")
 
     async def heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.s.heartbeat)
-            if self.record is not None:
-                await self.announce(self.record)
+        """Announce the record every heartbeat, each store on its own clock (swarm/dht/refresh.py)."""
+        await refresh_every(
+            self.s.heartbeat, lambda: None if self.record is None else self.announce(self.record), MAX_ANNOUNCING
+        )
 
     async def rejoin(self) -> bool:
         """After a coordinator restart: ping its DHT node again, then re-announce this peer at once.
@@ -222,7 +233,7 @@ class Discovery:
         """Graceful leave: a 'leaving' record hides this peer at once."""
         if self.dht is not None and self.record is not None:
             await asyncio.to_thread(
-                withdraw_peer, self.dht, self.s.swarm, self.record, 3 * self.s.heartbeat, signing_key=self.signing_key
+                withdraw_peer, self.dht, self.s.swarm, self.record, self.ttl, signing_key=self.signing_key
             )
 
     def shutdown(self) -> None:
