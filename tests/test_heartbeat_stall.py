@@ -44,8 +44,8 @@ def children(pid: int) -> list[int]:
 def record_alive(node: OwnedDHT, swarm: str, peer_id: str) -> bool:
     """Whether ``node`` holds ``peer_id``'s unexpired record (its own copy: no lookup waits on the frozen node)."""
     future = node.get(peers_key(swarm), latest=False, return_future=True)
-    try:
-        found = future.result(timeout=0.5)
+    try:  # a local hit takes milliseconds; without one the lookup waits on the frozen node (3 s)
+        found = future.result(timeout=2.0)
     except TimeoutError:
         future.cancel()
         return False
