@@ -171,10 +171,12 @@ def tensor_from_pb(
 def split_packet(packet: Message, packet_id: int, frame_bytes: int = MAX_FRAME_BYTES) -> Iterator[pb.Frame]:
     """Serialise once and yield frames of at most ``frame_bytes`` payload each."""
     data = packet.SerializeToString()
-    view = memoryview(data)
     total = len(data)
-    offsets = range(0, max(total, 1), frame_bytes)
-    for i, off in enumerate(offsets):
+    if total <= frame_bytes:  # one frame (most activations and gradients): the serialised bytes as they are
+        yield pb.Frame(packet_id=packet_id, data=data, last=True, total_size=total)
+        return
+    view = memoryview(data)
+    for i, off in enumerate(range(0, total, frame_bytes)):
         yield pb.Frame(
             packet_id=packet_id,
             data=bytes(view[off : off + frame_bytes]),
