@@ -9,6 +9,7 @@ peer that it could never plan again. (The coordinator's side: tests/test_dht_tim
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import peer.discovery as discovery
@@ -55,3 +56,35 @@ def test_a_plan_lookup_that_timed_out_finds_nothing_yet(monkeypatch) -> None:
 
     monkeypatch.setattr(discovery, "fetch_plan", fetch)
     assert asyncio.run(make_discovery().fetch()) is None
+
+
+def test_no_announcement_starts_once_the_peer_leaves(monkeypatch) -> None:
+    """An announcement after the tombstone would carry a later expiry and bring a leaving peer back."""
+    events = []
+
+    def announce(dht, swarm, record, ttl, signing_key=None) -> bool:
+        events.append("announce")
+        return True
+
+    def withdraw(dht, swarm, record, ttl, signing_key=None) -> bool:
+        events.append("withdraw")
+        time.sleep(0.2)  # ten heartbeats while the tombstone is stored
+        return True
+
+    monkeypatch.setattr(discovery, "announce_peer", announce)
+    monkeypatch.setattr(discovery, "withdraw_peer", withdraw)
+    disc = make_discovery()
+    disc.dht = object()
+    disc.record = SimpleNamespace(peer_id="p0")
+
+    async def leave_while_beating() -> None:
+        task = asyncio.create_task(disc.heartbeat())
+        try:
+            await asyncio.sleep(0.1)
+            await disc.leave()
+            await asyncio.sleep(0.1)
+        finally:
+            task.cancel()
+
+    asyncio.run(leave_while_beating())
+    assert "announce" in events and "announce" not in events[events.index("withdraw") :], events
