@@ -230,10 +230,15 @@ class Discovery:
         return answered > 0
 
     async def leave(self) -> None:
-        """Graceful leave: a 'leaving' record hides this peer at once."""
-        if self.dht is not None and self.record is not None:
+        """Graceful leave: a 'leaving' record hides this peer at once.
+
+        The heartbeat stops announcing first: an announcement after the tombstone would expire later than it
+        and show the peer again (one started before expires earlier, and the DHT keeps the later one).
+        """
+        record, self.record = self.record, None
+        if self.dht is not None and record is not None:
             await asyncio.to_thread(
-                withdraw_peer, self.dht, self.s.swarm, self.record, self.ttl, signing_key=self.signing_key
+                withdraw_peer, self.dht, self.s.swarm, record, self.ttl, signing_key=self.signing_key
             )
 
     def shutdown(self) -> None:
