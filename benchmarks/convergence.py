@@ -40,7 +40,7 @@ LOSSY = {"int8", "int4", "int4_rot", "int3_rot"}
 @dataclass(frozen=True)
 class Variant:
     pair: str
-    feedback: str  # "on" / "off" for a lossy backward codec, "" where error feedback does not apply
+    feedback: str  # "auto" / "on" / "off" for a lossy backward codec, "" where error feedback does not apply
     staleness: int = -1  # S of the async schedule; -1: the sync schedule
 
     @property
@@ -216,9 +216,10 @@ def main() -> None:
     ap.add_argument(
         "--error-feedback",
         nargs="+",
-        choices=("on", "off"),
-        default=["off"],
-        help="--error-feedback-backward settings to run for each pair with a lossy backward codec",
+        choices=("auto", "on", "off"),
+        default=["auto"],
+        help="--error-feedback-backward settings to run for each pair with a lossy backward codec (auto: as "
+        "`ravn local` decides, on for int3_rot gradients)",
     )
     ap.add_argument(
         "--schedules",

@@ -227,6 +227,8 @@ def ravn_local(
         "1",
         "--schedule",
         "sync",
+        "--grad-clip",
+        "0",  # the recipe of the peft reference, which does not clip
         "--device",
         args.device,
     ]

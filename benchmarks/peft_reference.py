@@ -11,8 +11,8 @@ What a Ravn step is (read from the code, not assumed):
   reported loss is the summed loss over the summed tokens (``Driver._account``);
 * optimizer: ``torch.optim.AdamW(betas=(0.9, 0.95), weight_decay=0.01)`` on the adapters; Ravn holds one
   per stage, which is the same thing for an element-wise optimizer; lr ``TrainConfig.lr_at``: linear
-  warm-up over 20 steps, then constant; no gradient clipping with the sync schedule (Ravn clips per
-  stage when it clips, which a single process cannot mirror: compare with ``--grad-clip 0``);
+  warm-up over 20 steps, then constant; no gradient clipping (Ravn clips each stage's gradient by
+  default, which a single process cannot mirror: compare with a Ravn run given ``--grad-clip 0``);
 * adapters: Ravn's ``LoRALinear`` initialisation, A Kaiming-uniform from a generator seeded by
   ``(seed, module name)`` and B zero; the same values are written into peft's ``lora_A``/``lora_B``.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.lab import Lab, LinkProfile, parse_link
 from benchmarks.lab.lab import Host
 from benchmarks.lab_swarm import run_swarm
-from swarm.config import MODEL_PRESETS
+from swarm.config import DEFAULT_GRAD_CLIP, DEFAULT_LR, MODEL_PRESETS
 
 # Per-peer links of each cap, in stage order (p0 holds the embeddings, p2 the head and the loss).
 # "mix": a cable uploader feeds a fiber peer whose output goes to an LTE peer, so the narrowest
@@ -77,7 +77,8 @@ class Workload:
     micro_batch_size: int = 4
     eval_every: int = 4
     seed: int = 0
-    lr: float = 3e-3
+    lr: float = DEFAULT_LR  # Ravn's default recipe, which the torch baseline trains too (clipping per stage)
+    grad_clip: float = DEFAULT_GRAD_CLIP
     timed_from: int = 0  # steps before this are trained but not timed (the async schedule's sync warm-up)
 
     @property
@@ -103,6 +104,7 @@ class Workload:
             "--eval-batches", str(self.micro_batches),
             "--seed", str(self.seed),
             "--lr", str(self.lr),
+            "--grad-clip", str(self.grad_clip),
             "--checkpoint-every", "0",
             *mode,
         ]  # fmt: skip

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from swarm.config import MODEL_PRESETS, TrainConfig
+from swarm.config import DEFAULT_GRAD_CLIP, DEFAULT_LR, MODEL_PRESETS, TrainConfig
 from swarm.train.data import Corpus
 from swarm.train.model import StageModel, even_split
 
@@ -90,6 +90,7 @@ def run_worker(args: argparse.Namespace) -> None:
         micro_batches=args.micro_batches,
         micro_batch_size=args.micro_batch_size,
         lr=args.lr,
+        grad_clip=args.grad_clip,
         data_seed=args.seed,
         eval_every=args.eval_every,
         eval_batches=args.micro_batches,
@@ -146,6 +147,8 @@ def run_worker(args: argparse.Namespace) -> None:
         for group in optimizer.param_groups:
             group["lr"] = train.lr_at(step)
         losses = run_step(step, "train")
+        if train.grad_clip > 0:  # per stage, as Ravn clips: the same recipe on both sides
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         entry = {"step": step, "time": time.time()}
@@ -178,7 +181,8 @@ def main() -> None:
     wk.add_argument("--micro-batches", type=int, default=8)
     wk.add_argument("--micro-batch-size", type=int, default=4)
     wk.add_argument("--eval-every", type=int, default=0)
-    wk.add_argument("--lr", type=float, default=3e-3)
+    wk.add_argument("--lr", type=float, default=DEFAULT_LR)
+    wk.add_argument("--grad-clip", type=float, default=DEFAULT_GRAD_CLIP, help="per stage, as Ravn clips (0: off)")
     wk.add_argument("--seed", type=int, default=0)
     wk.add_argument("--threads", type=int, default=1)
     wk.add_argument("--timeout", type=float, default=600)

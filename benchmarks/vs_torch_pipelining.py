@@ -92,7 +92,8 @@ def run_torch(
         "--world", str(N_STAGES), "--store", f"{co.address}:{STORE_PORT}", "--schedule", schedule, "--wire", wire,
         "--model", workload.model, "--steps", str(workload.steps), "--micro-batches", str(workload.micro_batches),
         "--micro-batch-size", str(workload.micro_batch_size), "--eval-every", str(workload.eval_every),
-        "--lr", str(workload.lr), "--seed", str(workload.seed), "--out", str(out),
+        "--lr", str(workload.lr), "--grad-clip", str(workload.grad_clip), "--seed", str(workload.seed),
+        "--out", str(out),
     ]  # fmt: skip
     with NetSampler(lab.peers) as sampler:
         logs = [(out / f"rank{i}.log").open("w") for i in range(N_STAGES)]

@@ -18,6 +18,8 @@ import typer
 
 from swarm.config import (
     BASE_QUANTS,
+    DEFAULT_GRAD_CLIP,
+    DEFAULT_LR,
     MODEL_PRESETS,
     SCHEDULES,
     WIDE_FROM,
@@ -61,6 +63,8 @@ WIRE_DEFAULT_HELP = (
     f"--wire-zstd off), {DEFAULT_WIRE_NARROW[0]} for narrower ones"
 )
 ON_OFF = ("on", "off")
+EF_CHOICES = ("auto", *ON_OFF)
+EF_AUTO_CODECS = frozenset({"int3_rot"})  # gradient codecs whose error feedback pays (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -76,12 +80,12 @@ class RunOptions:
     eval_batches: int
     wire_forward: str | None  # None: default_wire(the model's width)
     wire_backward: str | None
-    error_feedback_backward: bool
+    error_feedback_backward: str  # on, off, auto (on for the gradient codecs of EF_AUTO_CODECS)
     wire_zstd: bool
     schedule: str
     max_staleness: int
     max_in_flight: int
-    grad_clip: float | None
+    grad_clip: float
     checkpoint_every: int
     finetune: str
     lora_rank: int
@@ -152,17 +156,18 @@ class RunOptions:
     def model_name(self) -> str:
         return f"hf:{Path(self.model).name}"[:128] if self.is_checkpoint else self.model
 
-    @property
-    def default_grad_clip(self) -> float:
-        """Stale gradients can spike the loss; with S = 0 nothing is stale, and clipping would break exactness."""
-        return 1.0 if self.schedule == "async" and self.max_staleness > 0 else 0.0
-
     def wire(self) -> tuple[str, str]:
         """The run's (forward, backward) codecs: those given, else the default for the model's width."""
         if self.wire_forward is not None and self.wire_backward is not None:
             return self.wire_forward, self.wire_backward
         fwd, bwd = default_wire(self.model_config().d_model, self.wire_zstd)
         return self.wire_forward or fwd, self.wire_backward or bwd
+
+    def error_feedback(self, wire_backward: str) -> bool:
+        """Whether gradients carry their codec's rounding error forward; ``auto`` decides by the codec."""
+        if self.error_feedback_backward == "auto":
+            return wire_backward in EF_AUTO_CODECS
+        return self.error_feedback_backward == "on"
 
     def train_config(self) -> TrainConfig:
         wire_forward, wire_backward = self.wire()
@@ -182,12 +187,12 @@ class RunOptions:
             eval_batches=self.eval_batches,
             wire_forward=wire_forward,
             wire_backward=wire_backward,
-            error_feedback_backward=self.error_feedback_backward,
+            error_feedback_backward=self.error_feedback(wire_backward),
             wire_zstd=self.wire_zstd,
             schedule=self.schedule,
             max_staleness=self.max_staleness,
             max_in_flight=self.max_in_flight,
-            grad_clip=self.grad_clip if self.grad_clip is not None else self.default_grad_clip,
+            grad_clip=self.grad_clip,
             checkpoint_every=self.checkpoint_every,
             average_every=self.average_every,
             average_codec=self.average_codec,
@@ -256,7 +261,14 @@ def _train_params(
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps to train.")] = 300,
     micro_batches: Annotated[int, typer.Option(min=1, help="Micro-batches per optimizer step.")] = 4,
     micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch.")] = 4,
-    lr: Annotated[float, typer.Option(min=0.0, help="Peak AdamW learning rate.")] = 3e-3,
+    lr: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Peak AdamW learning rate. The default, 1.5e-3 with --grad-clip 1, ended 12% (gpt-medium) and 4% "
+            "(gpt-small) below 3e-3 unclipped over 300 steps (docs/BENCHMARKS.md).",
+        ),
+    ] = DEFAULT_LR,
     warmup_steps: Annotated[
         int,
         typer.Option(min=0, help="Steps of linear lr warm-up; the async schedule runs them synchronously."),
@@ -289,10 +301,12 @@ def _train_params(
         str,
         typer.Option(
             help="'on': a lossy gradient codec's rounding error is added to the next gradient sent to the same "
-            "peer (error feedback); 'off': every gradient is quantised on its own (docs/codecs.md).",
-            callback=lambda v: _check_choice(v, ON_OFF, "setting"),
+            "peer (error feedback); 'off': every gradient is quantised on its own; 'auto': on when --wire-backward "
+            "is int3_rot (the default from width 256; at the default recipe error feedback took its loss cost "
+            "on gpt-medium from +3.2% to +1.6%, docs/BENCHMARKS.md), off otherwise (no measured gain).",
+            callback=lambda v: _check_choice(v, EF_CHOICES, "setting"),
         ),
-    ] = "off",
+    ] = "auto",
     wire_zstd: Annotated[
         str,
         typer.Option(
@@ -331,14 +345,13 @@ def _train_params(
         ),
     ] = 0,
     grad_clip: Annotated[
-        float | None,
+        float,
         typer.Option(
             min=0.0,
-            help="Clip each stage's gradient norm (0: off; default: 1.0 for async with S >= 1, where stale "
-            "gradients can otherwise spike the loss, else off, so that S = 0 is exactly sync). Per stage, so not "
-            "identical to clipping the unsplit model.",
+            help="Clip each stage's gradient norm at this (0: off, the unsplit model's exact recipe). Per stage, "
+            "so not identical to clipping the unsplit model; it also keeps stale gradients from spiking the loss.",
         ),
-    ] = None,
+    ] = DEFAULT_GRAD_CLIP,
     checkpoint_every: Annotated[
         int,
         typer.Option(
@@ -438,7 +451,7 @@ def _train_params(
         eval_batches,
         wire_forward,
         wire_backward,
-        error_feedback_backward == "on",
+        error_feedback_backward,
         wire_zstd == "on",
         schedule,
         max_staleness if schedule == "async" else 0,

@@ -63,8 +63,20 @@ def test_async_with_zero_staleness_is_the_sync_recipe_with_default_flags() -> No
     """README: S = 0 reproduces sync exactly; so nothing else (such as clipping) may follow the schedule."""
     sync, s0 = recipe("--schedule", "sync"), recipe("--schedule", "async", "--max-staleness", "0")
     assert dataclasses.replace(s0, schedule="sync") == sync
-    assert recipe("--schedule", "async").grad_clip == 1.0  # S = 1 by default: stale gradients are clipped
+    assert sync.grad_clip == recipe("--schedule", "async").grad_clip == 1.0  # the default recipe clips either way
     assert recipe("--schedule", "async", "--max-staleness", "0", "--grad-clip", "0.5").grad_clip == 0.5
+    assert recipe("--grad-clip", "0").grad_clip == 0.0  # the unsplit model's exact recipe
+
+
+def test_the_default_recipe_is_the_measured_one() -> None:
+    """docs/BENCHMARKS.md, "The default recipe": lr 1.5e-3, clipping at 1.0, error feedback on int3_rot gradients."""
+    small, medium = recipe("--model", "gpt-small"), recipe("--model", "gpt-medium")
+    assert small.lr == medium.lr == 1.5e-3 and small.grad_clip == medium.grad_clip == 1.0
+    assert medium.wire_backward == "int3_rot" and medium.error_feedback_backward  # the wide default pays for it
+    assert small.wire_backward == "int8" and not small.error_feedback_backward  # no measured gain there
+    assert recipe("--wire-backward", "int3_rot").error_feedback_backward  # 'auto' follows the codec given
+    assert not recipe("--model", "gpt-medium", "--error-feedback-backward", "off").error_feedback_backward
+    assert recipe("--error-feedback-backward", "on").error_feedback_backward
 
 
 @settings(max_examples=200, deadline=None)
