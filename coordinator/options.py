@@ -303,7 +303,7 @@ def _train_params(
             help="'on': a lossy gradient codec's rounding error is added to the next gradient sent to the same "
             "peer (error feedback); 'off': every gradient is quantised on its own; 'auto': on when --wire-backward "
             "is int3_rot (the default from width 256; at the default recipe error feedback took its loss cost "
-            "on gpt-medium from +3.2% to +1.6%, docs/BENCHMARKS.md), off otherwise (no measured gain).",
+            "on gpt-medium from +3.2% to +2.0%, docs/BENCHMARKS.md), off otherwise (no measured gain).",
             callback=lambda v: _check_choice(v, EF_CHOICES, "setting"),
         ),
     ] = "auto",
