@@ -142,8 +142,9 @@ async def run_local(
             extra = ["--debug-slowdown", slow_peer.split(":")[1]] if slow_peer.startswith(f"{i}:") else []
             extra += ["--debug-slow-stage", slow_stage] if slow_stage else []
             extra += ["--debug-crash-at-checkpoint", crash_at_checkpoint] if crash_at_checkpoint else []
-            if slow_uplink.startswith(f"{i}:"):  # INDEX:MBIT
-                extra += ["--debug-uplink-mbit", slow_uplink.split(":")[1]]
+            for spec in slow_uplink.split(","):  # INDEX:MBIT[,INDEX:MBIT...]
+                if spec.startswith(f"{i}:"):
+                    extra += ["--debug-uplink-mbit", spec.split(":")[1]]
             if poison_peer.startswith(f"{i}:"):  # INDEX:MODE:STEPS
                 _, mode, after = poison_peer.split(":")
                 extra += ["--debug-poison", mode, "--debug-poison-after", after]

@@ -28,6 +28,7 @@ from swarm.config import (
     ModelConfig,
     TrainConfig,
 )
+from swarm.wire.codec_policy import FEEDBACK_MODES
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot")
 AVERAGE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")  # replica averaging sends nothing zstd-coded
@@ -63,8 +64,6 @@ WIRE_DEFAULT_HELP = (
     f"--wire-zstd off), {DEFAULT_WIRE_NARROW[0]} for narrower ones"
 )
 ON_OFF = ("on", "off")
-EF_CHOICES = ("auto", *ON_OFF)
-EF_AUTO_CODECS = frozenset({"int3_rot"})  # gradient codecs whose error feedback pays (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class RunOptions:
     eval_batches: int
     wire_forward: str | None  # None: default_wire(the model's width)
     wire_backward: str | None
-    error_feedback_backward: str  # on, off, auto (on for the gradient codecs of EF_AUTO_CODECS)
+    error_feedback_backward: str  # on, off, auto (on for the links whose gradient codec is in FEEDBACK_AUTO_CODECS)
     wire_zstd: bool
     schedule: str
     max_staleness: int
@@ -163,12 +162,6 @@ class RunOptions:
         fwd, bwd = default_wire(self.model_config().d_model, self.wire_zstd)
         return self.wire_forward or fwd, self.wire_backward or bwd
 
-    def error_feedback(self, wire_backward: str) -> bool:
-        """Whether gradients carry their codec's rounding error forward; ``auto`` decides by the codec."""
-        if self.error_feedback_backward == "auto":
-            return wire_backward in EF_AUTO_CODECS
-        return self.error_feedback_backward == "on"
-
     def train_config(self) -> TrainConfig:
         wire_forward, wire_backward = self.wire()
         for codec in {wire_forward, wire_backward} & NEEDS_ZSTD:
@@ -187,7 +180,7 @@ class RunOptions:
             eval_batches=self.eval_batches,
             wire_forward=wire_forward,
             wire_backward=wire_backward,
-            error_feedback_backward=self.error_feedback(wire_backward),
+            error_feedback_backward=self.error_feedback_backward,
             wire_zstd=self.wire_zstd,
             schedule=self.schedule,
             max_staleness=self.max_staleness,
@@ -301,10 +294,11 @@ def _train_params(
         str,
         typer.Option(
             help="'on': a lossy gradient codec's rounding error is added to the next gradient sent to the same "
-            "peer (error feedback); 'off': every gradient is quantised on its own; 'auto': on when --wire-backward "
-            "is int3_rot (the default from width 256; at the default recipe error feedback took its loss cost "
-            "on gpt-medium from +3.2% to +2.0%, docs/BENCHMARKS.md), off otherwise (no measured gain).",
-            callback=lambda v: _check_choice(v, EF_CHOICES, "setting"),
+            "peer (error feedback); 'off': every gradient is quantised on its own; 'auto': on for gradients sent "
+            "int3_rot (the default from width 256; with --wire-backward auto, on the links that pick it; at the "
+            "default recipe error feedback took its loss cost on gpt-medium from +3.2% to +2.0%, "
+            "docs/BENCHMARKS.md), off otherwise (no measured gain).",
+            callback=lambda v: _check_choice(v, FEEDBACK_MODES, "setting"),
         ),
     ] = "auto",
     wire_zstd: Annotated[

@@ -76,7 +76,10 @@ def local(
     ] = "",
     debug_slow_uplink: Annotated[
         str,
-        typer.Option(hidden=True, help="Testing: INDEX:MBIT, one peer announces that uplink (--debug-uplink-mbit)."),
+        typer.Option(
+            hidden=True,
+            help="Testing: INDEX:MBIT[,INDEX:MBIT], those peers announce that uplink (--debug-uplink-mbit).",
+        ),
     ] = "",
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "WARNING",
 ) -> None:

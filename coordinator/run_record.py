@@ -26,6 +26,7 @@ from coordinator.run_state import CoordinatorState, read_events, save_state
 from coordinator.sessions import PeerSession
 from swarm.metrics import MetricsServer
 from swarm.pb import control_pb2 as cpb
+from swarm.wire.codec_policy import feeds_back
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +217,17 @@ class RunRecord:
 
     def link_summary(self) -> list[dict]:
         """The last plan's links: stage i -> i + 1, sender and receiver, the codec of each direction, the
-        measured Mbit/s it was chosen from and why (``coordinator/wire_choice.py``)."""
+        measured Mbit/s it was chosen from and why (``coordinator/wire_choice.py``), and whether its gradients
+        carry error feedback (``--error-feedback-backward``, decided per link)."""
         plan = self.planning.plan
+        feedback = self.s.train.error_feedback_backward
         return [
-            {"stages": [x.boundary, x.boundary + 1], **x.model_dump()} for x in (plan.links if plan is not None else [])
+            {
+                "stages": [x.boundary, x.boundary + 1],
+                **x.model_dump(),
+                "backward_error_feedback": feeds_back(feedback, x.backward),
+            }
+            for x in (plan.links if plan is not None else [])
         ]
 
     def write_summary(self, sessions: list[PeerSession]) -> None:

@@ -87,7 +87,7 @@ def wire_policy(
     after: int = 0,
     version: Callable[[], int] = lambda: 0,
     *,
-    error_feedback: bool = False,
+    error_feedback: str = "off",
     backward_to: dict[str, str] | None = None,
     zstd: bool = False,
 ) -> WirePolicy:

@@ -297,7 +297,7 @@ class Session:
             self.device,
             stage.policy.forward,
             ", ".join(f"{c} to {p}" for p, c in stage.policy.backward_to.items()) or stage.policy.backward,
-            "on" if stage.policy.error_feedback else "off",
+            stage.policy.feedback_text(),
         )
         if view.is_first:
             driver = Driver(

@@ -140,7 +140,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     wire_forward: str = "fp32"
     wire_backward: str = "fp32"
-    error_feedback_backward: bool = False  # carry the lossy gradient codec's residual, per destination peer
+    error_feedback_backward: str = "off"  # on, off or auto: carry a lossy gradient codec's residual, per link
     wire_zstd: bool = True  # 3- and 4-bit codes travel zstd-coded: lossless, fewer bytes (swarm/wire/entropy.py)
     average_every: int = 10  # T: replicas of a block average their parameter change every T local steps
     average_codec: str = "int8"

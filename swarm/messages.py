@@ -56,7 +56,8 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         wire_backward=backward,
         wire_forward_auto=forward_auto,
         wire_backward_auto=backward_auto,
-        error_feedback_backward=cfg.error_feedback_backward,
+        error_feedback_backward=cfg.error_feedback_backward == "on",
+        error_feedback_backward_auto=cfg.error_feedback_backward == "auto",
         wire_zstd=cfg.wire_zstd,
         warmup_steps=cfg.warmup_steps,
         sync_steps=cfg.sync_steps,
@@ -70,6 +71,12 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         outer_momentum=cfg.outer_momentum,
         average_timeout=cfg.average_timeout,
     )
+
+
+def _feedback_mode(t: cpb.TrainConfig) -> str:
+    if t.error_feedback_backward_auto:
+        return "auto"
+    return "on" if t.error_feedback_backward else "off"
 
 
 def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
@@ -89,7 +96,11 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
         schedule=t.schedule,
         wire_forward=_wire_from_pb(t.wire_forward, t.wire_forward_auto, "--wire-forward"),
         wire_backward=_wire_from_pb(t.wire_backward, t.wire_backward_auto, "--wire-backward"),
-        error_feedback_backward=t.error_feedback_backward,
+        error_feedback_backward="auto"
+        if t.error_feedback_backward_auto
+        else "on"
+        if t.error_feedback_backward
+        else "off",
         wire_zstd=t.wire_zstd,
         max_staleness=t.max_staleness,
         max_in_flight=t.max_in_flight,

@@ -15,7 +15,7 @@ from swarm.config import TrainConfig
 from swarm.messages import train_from_pb, train_to_pb
 from swarm.pb import wire_pb2 as pb
 from swarm.wire import quantize
-from swarm.wire.codec_policy import WirePolicy
+from swarm.wire.codec_policy import WirePolicy, feeds_back
 from swarm.wire.codecs import decode, encode
 from swarm.wire.packets import tensor_from_pb, tensor_to_pb
 from tests.conftest import read_metrics, run_ravn_local
@@ -39,7 +39,7 @@ def sent(policy: WirePolicy, mb_id: int, grad: torch.Tensor, to: str) -> torch.T
 
 
 def test_residual_owed_to_one_upstream_holder_is_not_sent_to_another():
-    policy = WirePolicy(forward="fp32", backward="int8", error_feedback=True)
+    policy = WirePolicy(forward="fp32", backward="int8", error_feedback="on")
     streams = {"holder-a": biased_stream(1, 60), "holder-b": biased_stream(2, 60)}
     true_sum = {p: torch.zeros(4096) for p in streams}
     sent_sum = {p: torch.zeros(4096) for p in streams}
@@ -55,7 +55,7 @@ def test_residual_owed_to_one_upstream_holder_is_not_sent_to_another():
         drift = float((true_sum[peer] - sent_sum[peer]).norm())
         assert drift <= 2 * worst_step, (peer, drift, worst_step)
     # The first gradient a holder receives carries nothing from the other holder's stream.
-    fresh = WirePolicy(forward="fp32", backward="int8", error_feedback=True)
+    fresh = WirePolicy(forward="fp32", backward="int8", error_feedback="on")
     sent(fresh, 0, streams["holder-a"][0], "holder-a")
     torch.testing.assert_close(
         sent(fresh, 1, streams["holder-b"][0], "holder-b"),
@@ -68,8 +68,8 @@ def test_residual_owed_to_one_upstream_holder_is_not_sent_to_another():
 @pytest.mark.parametrize("codec", ["int8", "int4", "int4_rot"])
 def test_error_feedback_off_sends_plain_quantisation(codec):
     xs = biased_stream(3, 5)
-    off = WirePolicy(forward="fp32", backward=codec, error_feedback=False)
-    on = WirePolicy(forward="fp32", backward=codec, error_feedback=True)
+    off = WirePolicy(forward="fp32", backward=codec, error_feedback="off")
+    on = WirePolicy(forward="fp32", backward=codec, error_feedback="on")
     differs = False
     for i, x in enumerate(xs):
         mb = pb.MicroBatch(id=i)
@@ -80,9 +80,29 @@ def test_error_feedback_off_sends_plain_quantisation(codec):
 
 
 def test_error_feedback_is_off_by_default_and_survives_the_assignment_message():
-    assert TrainConfig().error_feedback_backward is False  # the convergence benchmark's choice (docs/codecs.md)
-    for on in (False, True):
-        assert train_from_pb(train_to_pb(TrainConfig(error_feedback_backward=on))).error_feedback_backward is on
+    assert TrainConfig().error_feedback_backward == "off"  # the library's default; the CLI's is "auto"
+    for mode in ("off", "on", "auto"):
+        assert train_from_pb(train_to_pb(TrainConfig(error_feedback_backward=mode))).error_feedback_backward == mode
+
+
+def test_auto_error_feedback_is_decided_per_link_by_the_links_codec() -> None:
+    """A per-link ``--wire-backward auto`` that picks int3_rot for one link gets error feedback there only.
+
+    Before, ``auto`` was resolved once per run from ``--wire-backward``, which is ``auto`` itself in that
+    case, so no link carried a residual even where it sent int3_rot (the codec it pays for).
+    """
+    policy = WirePolicy(
+        forward="fp32", backward="int8", error_feedback="auto", backward_to={"a": "int3_rot", "b": "int8"}
+    )
+    grad = torch.randn(4, 256)
+    for i in range(3):
+        policy.gradients(pb.MicroBatch(id=i), grad, to="a")
+        policy.gradients(pb.MicroBatch(id=i), grad, to="b")
+    assert set(policy._feedback) == {"a"}
+    assert policy.feedback_text() == "on to a, off to b"
+    assert [feeds_back(m, c) for m in ("on", "off", "auto") for c in ("fp32", "int8", "int3_rot")] == [
+        False, True, True, False, False, False, False, False, True
+    ]  # fmt: skip
 
 
 @pytest.mark.slow  # a whole swarm for over 20 s: keeps the default suite under 10 minutes
@@ -111,7 +131,7 @@ def test_error_feedback_flag_reaches_every_peer(tmp_path: Path) -> None:
     assert len(logs) == 3 and all(assigned), [p.read_text()[-1000:] for p in logs]
     assert {m.group(1) for m in assigned} == {"on"}
     summary = next(m for m in read_metrics(tmp_path / "ef-on") if m["kind"] == "summary")
-    assert summary["steps"] == 3 and summary["error_feedback_backward"] is True
+    assert summary["steps"] == 3 and summary["error_feedback_backward"] == "on"
 
 
 @pytest.fixture
@@ -128,9 +148,9 @@ def passes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
     return calls
 
 
-@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("error_feedback", ["off", "on"])
 @pytest.mark.parametrize("codec", ["int8", "int4_rot"])
-def test_a_small_gradient_is_quantised_once(passes: list[torch.dtype], codec: str, error_feedback: bool) -> None:
+def test_a_small_gradient_is_quantised_once(passes: list[torch.dtype], codec: str, error_feedback: str) -> None:
     """Gradients w.r.t. hidden states (~1e-7) need fp32 scales; finding that out with an fp16 pass first
     quantised every gradient twice on the hot path."""
     policy = WirePolicy("fp32", codec, error_feedback=error_feedback)
@@ -141,8 +161,8 @@ def test_a_small_gradient_is_quantised_once(passes: list[torch.dtype], codec: st
     assert float((y - grad).norm() / grad.norm()) < 0.2
 
 
-@pytest.mark.parametrize("error_feedback", [False, True])
-def test_coded_scales_do_not_hide_that_a_links_gradients_are_small(passes: list[torch.dtype], error_feedback: bool):
+@pytest.mark.parametrize("error_feedback", ["off", "on"])
+def test_coded_scales_do_not_hide_that_a_links_gradients_are_small(passes: list[torch.dtype], error_feedback: str):
     """With zstd the scales travel coded, shorter than 4 bytes per block: the link must still remember
     that its last gradient had fp32 scales, or every later gradient is quantised twice."""
     policy = WirePolicy("fp32", "int3_rot", zstd=True, error_feedback=error_feedback)

@@ -109,7 +109,7 @@ def test_the_policy_encodes_each_gradient_with_its_destinations_codec() -> None:
 
 
 def test_the_policy_keeps_one_residual_per_destination_at_its_codec() -> None:
-    policy = WirePolicy(forward="fp32", backward="int8", error_feedback=True, backward_to={"a": "bf16", "b": "int8"})
+    policy = WirePolicy(forward="fp32", backward="int8", error_feedback="on", backward_to={"a": "bf16", "b": "int8"})
     grad = torch.randn(4, 64)
     for i in range(3):
         policy.gradients(pb.MicroBatch(id=i), grad, to="a")

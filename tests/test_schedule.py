@@ -16,6 +16,7 @@ from swarm.config import ModelConfig, TrainConfig
 from swarm.messages import train_from_pb, train_to_pb
 from swarm.train.admission import Admission
 from swarm.train.stage_runner import StageRunner, staleness_lr_scale
+from swarm.wire.codec_policy import feeds_back
 
 CFG = ModelConfig(n_layers=2, d_model=16, n_heads=2, context=8, seed=1)
 
@@ -72,11 +73,16 @@ def test_the_default_recipe_is_the_measured_one() -> None:
     """docs/BENCHMARKS.md, "The default recipe": lr 1.5e-3, clipping at 1.0, error feedback on int3_rot gradients."""
     small, medium = recipe("--model", "gpt-small"), recipe("--model", "gpt-medium")
     assert small.lr == medium.lr == 1.5e-3 and small.grad_clip == medium.grad_clip == 1.0
-    assert medium.wire_backward == "int3_rot" and medium.error_feedback_backward  # the wide default pays for it
-    assert small.wire_backward == "int8" and not small.error_feedback_backward  # no measured gain there
-    assert recipe("--wire-backward", "int3_rot").error_feedback_backward  # 'auto' follows the codec given
-    assert not recipe("--model", "gpt-medium", "--error-feedback-backward", "off").error_feedback_backward
-    assert recipe("--error-feedback-backward", "on").error_feedback_backward
+
+    def fed_back(cfg: TrainConfig) -> bool:
+        return feeds_back(cfg.error_feedback_backward, cfg.wire_backward)
+
+    assert medium.wire_backward == "int3_rot" and fed_back(medium)  # the wide default pays for it
+    assert small.wire_backward == "int8" and not fed_back(small)  # no measured gain there
+    assert fed_back(recipe("--wire-backward", "int3_rot"))  # 'auto' follows the codec given
+    assert recipe("--wire-backward", "auto").error_feedback_backward == "auto"  # decided per link by the peers
+    assert not fed_back(recipe("--model", "gpt-medium", "--error-feedback-backward", "off"))
+    assert fed_back(recipe("--error-feedback-backward", "on"))
 
 
 @settings(max_examples=200, deadline=None)

@@ -15,6 +15,7 @@ and keeps bf16. The summary names every link, and what each stage says it sent i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,32 @@ def test_auto_picks_a_codec_per_link_and_the_wire_uses_it(
     assert set(sent[1]) == {f"forward:{links[1]['forward']}", f"backward:{links[0]['backward']}"}
     assert set(sent[2]) == {f"backward:{links[1]['backward']}"}
     assert all(n > 0 for codecs in sent.values() for n in codecs.values())
+
+
+@pytest.mark.slow  # three peer processes start, measure and join: over 20 s on a shared machine
+def test_auto_error_feedback_follows_each_links_codec(tmp_path: Path) -> None:
+    """``--error-feedback-backward auto`` (the default) with ``--wire-backward auto``: on where a link sends int3_rot.
+
+    Two peers announce 0.1 Mbit/s uplinks, so the planner puts them at both ends: the last sends its gradients
+    int3_rot (link-bound), the middle one sends bf16 gradients over loopback. Only the first of those links
+    carries error feedback, as the summary and the peers' own logs say.
+    """
+    run_ravn_local(
+        tmp_path,
+        "ef",
+        *("--peers", "3", "--model", "gpt-medium", "--steps", "3", "--eval-every", "0", "--eval-batches", "1"),
+        *("--wire-forward", "auto", "--wire-backward", "auto", "--debug-slow-uplink", "0:0.1,1:0.1"),
+        timeout=300,
+    )
+    summary = next(m for m in read_metrics(tmp_path / "ef") if m["kind"] == "summary")
+    assert summary["error_feedback_backward"] == "auto"
+    stage_of = {s["peer"]: s["stage"] for s in summary["stages"]}
+    assert stage_of["peer-2"] == 1, f"the two slow uplinks belong at the ends: {stage_of}"
+    links = {x["boundary"]: x for x in summary["links"]}
+    assert (links[1]["backward"], links[1]["backward_error_feedback"]) == ("int3_rot", True)
+    assert (links[0]["backward"], links[0]["backward_error_feedback"]) == ("bf16", False)
+    logs = {p.stem: p.read_text() for p in (tmp_path / "ef" / "logs").glob("peer-*.log")}
+    said = {peer: re.search(r"assigned stage .*\(error feedback ([^)]+)\)", text) for peer, text in logs.items()}
+    assert all(said.values()), logs
+    last = next(p for p, st in stage_of.items() if st == 2)
+    assert said[last].group(1) == "on" and said["peer-2"].group(1) == "off"

@@ -3,8 +3,10 @@
 Kept apart from the daemon so the conversion of a stage's tensors into wire packets (and back) is
 one small, testable place, shared by every schedule. Gradients sent with a lossy codec can go through
 error feedback, so what quantisation drops from one micro-batch's gradient is sent with the next
-instead of being lost. The residual is what one receiver is still owed, so there is one per
-destination peer: with replicated upstream holders, each holder's stream telescopes on its own.
+instead of being lost; under ``auto`` only where the link's codec is one whose feedback was measured to pay
+(``FEEDBACK_AUTO_CODECS``), decided per link because a per-link ``auto`` wire picks each link's codec.
+The residual is what one receiver is still owed, so there is one per destination peer: with replicated
+upstream holders, each holder's stream telescopes on its own.
 
 The codec of each link is the plan's (``--wire-* auto`` picks one per link, coordinator/wire_choice.py):
 activations go out with ``forward`` (encoded before the sender routes them to a holder, so one codec for
@@ -26,13 +28,22 @@ from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, t
 from swarm.wire.quantize import num_blocks
 
 LOSSY = frozenset(QUANT_CODECS)
+FEEDBACK_MODES = ("auto", "on", "off")
+# Gradient codecs whose error feedback pays: at the default recipe it took int3_rot's loss cost on
+# gpt-medium from +3.2% to +2.0%; on int8 and int4_rot gradients it gained nothing (docs/BENCHMARKS.md).
+FEEDBACK_AUTO_CODECS = frozenset({"int3_rot"})
+
+
+def feeds_back(mode: str, codec: str) -> bool:
+    """Whether gradients sent with ``codec`` carry its rounding error on, under ``--error-feedback-backward``."""
+    return codec in LOSSY and (mode == "on" or (mode == "auto" and codec in FEEDBACK_AUTO_CODECS))
 
 
 @dataclass
 class WirePolicy:
     forward: str = "fp32"
     backward: str = "fp32"
-    error_feedback: bool = False  # on gradients sent with a lossy codec (``--error-feedback-backward``)
+    error_feedback: str = "off"  # a FEEDBACK_MODES entry (``--error-feedback-backward``), applied per link
     zstd: bool = False  # 4-bit payloads travel zstd-coded, losslessly (``--wire-zstd``, swarm/wire/entropy.py)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_elements: int = DEFAULT_MAX_ELEMENTS
@@ -69,7 +80,7 @@ class WirePolicy:
             if options:  # quantise once: fp32 scales first while this link's last gradient needed them
                 options["small"] = self._small.get(to, True)  # gradients w.r.t. hidden states are ~1e-7
             try:
-                if codec in LOSSY and self.error_feedback:
+                if feeds_back(self.error_feedback, codec):
                     enc = self._feedback.setdefault(to, ErrorFeedback()).encode(grad, codec, **options)
                 else:
                     enc = encode(grad, codec, **options)
@@ -84,6 +95,14 @@ class WirePolicy:
     def codec_to(self, to: str) -> str:
         """The codec of gradients sent to upstream holder ``to``: its link's, else the run's."""
         return self.backward_to.get(to, self.backward)
+
+    def feedback_text(self) -> str:
+        """Error feedback as the logs show it: ``on``/``off``, or per upstream holder where links differ."""
+        links = {to: feeds_back(self.error_feedback, codec) for to, codec in sorted(self.backward_to.items())}
+        states = set(links.values()) or {feeds_back(self.error_feedback, self.backward)}
+        if len(states) == 1:
+            return "on" if states.pop() else "off"
+        return ", ".join(f"{'on' if on else 'off'} to {to}" for to, on in links.items())
 
     def decode(self, t: pb.Tensor) -> torch.Tensor:
         return tensor_from_pb(t, max_elements=self.max_elements)
