@@ -11,6 +11,15 @@ zstd-compressed; the scales of the 4-bit codecs are coded as the wire codes them
 plain, the relative error ``||decode - x|| / ||x||``, the coded bytes per token (one token is one row of
 ``d_model`` values) and the single-core speeds (median of ``--repeats``, MB/s of plain payload).
 
+Two columns say how much better any codec could do. ``bound`` is the least relative error that *any* code
+of the same coded bits per value ``R`` reaches on an i.i.d. Gaussian source of the same power, ``2**-R``
+(Shannon's distortion-rate function, ``D(R) = sigma**2 * 2**(-2R)``); after the rotation a block is close to
+Gaussian, so a codec near it has little left to gain by quantising values one at a time. What it leaves is
+the structure across values, which the second table measures: the share of a tensor's energy (its squared
+Frobenius norm, as a ``tokens x d_model`` matrix) in its top 8, 16, 32 and 64 singular directions, and in
+its mean row. A matrix whose energy sits in a few directions can be sent in far fewer bytes than its
+entries one by one (a low-rank code), at an error no scalar codec of that size reaches.
+
 Run: ``PYTHONPATH=. python -m benchmarks.entropy`` (alone on the machine for the speeds).
 """
 
@@ -87,10 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     comp, dec = zstandard.ZstdCompressor(level=args.level, write_content_size=True), zstandard.ZstdDecompressor()
     print(f"\nzstd level {args.level}, one core; payload + scales coded/plain; MB/s of plain payload, median")
     print(
-        "| step | boundary | tensor | codec | rel. error | plain B/value | coded / plain | scales coded / plain "
-        "| coded B/token | compress MB/s | decompress MB/s |"
+        "| step | boundary | tensor | codec | rel. error | bound | plain B/value | coded / plain "
+        "| scales coded / plain | coded B/token | compress MB/s | decompress MB/s |"
     )
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (step, i, kind), x in sorted(tensors.items()):
         for codec in args.codecs:
             enc = encode(x, codec, small=kind == "gradients")
@@ -100,13 +109,37 @@ def main(argv: list[str] | None = None) -> None:
             planes = entropy.compress_planes(enc.scales, num_blocks(x.numel(), enc.block_size) if enc.block_size else 0)
             scales = len(enc.scales) if planes is None or codec not in entropy.CODED else len(planes)
             per_token = (len(z) + scales) / (x.numel() // x.shape[-1])
+            bound = gaussian_bound(8 * (len(z) + scales) / x.numel())
             c = _median_seconds(lambda raw=raw: comp.compress(raw), args.repeats)
             d = _median_seconds(lambda z=z: dec.decompress(z), args.repeats)
             print(
-                f"| {step} | {i} | {kind} | {codec} | {err:.4f} | {plain / x.numel():.3f} "
+                f"| {step} | {i} | {kind} | {codec} | {err:.4f} | {bound:.4f} | {plain / x.numel():.3f} "
                 f"| {(len(z) + scales) / plain:.3f} | {scales / max(len(enc.scales), 1):.3f} | {per_token:.1f} "
                 f"| {len(raw) / c / 1e6:,.0f} | {len(raw) / d / 1e6:,.0f} |"
             )
+
+    print(
+        "\nshare of the energy in the top k singular directions of each tensor (tokens x d_model), and in its mean row"
+    )
+    print("| step | boundary | tensor | k = 8 | 16 | 32 | 64 | mean row |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for (step, i, kind), x in sorted(tensors.items()):
+        shares = energy_shares(x, (8, 16, 32, 64))
+        m = x.reshape(-1, x.shape[-1]).double()
+        mean_row = float(m.mean(0).square().sum() * m.shape[0] / m.square().sum())
+        print(f"| {step} | {i} | {kind} | " + " | ".join(f"{v:.3f}" for v in shares) + f" | {mean_row:.3f} |")
+
+
+def gaussian_bound(bits_per_value: float) -> float:
+    """The least relative L2 error of any code of this rate on an i.i.d. Gaussian source: ``2**-R``."""
+    return 2.0**-bits_per_value
+
+
+def energy_shares(x: torch.Tensor, ks: tuple[int, ...]) -> list[float]:
+    """Share of ``||x||_F**2`` in the top ``k`` singular directions of ``x`` as a ``rows x last-dim`` matrix."""
+    s = torch.linalg.svdvals(x.reshape(-1, x.shape[-1]).double()).square()
+    total = float(s.sum())
+    return [float(s[:k].sum()) / total for k in ks]
 
 
 if __name__ == "__main__":
