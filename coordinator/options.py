@@ -30,7 +30,7 @@ from swarm.config import (
 )
 from swarm.wire.codec_policy import FEEDBACK_MODES
 
-WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot")
+WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "lowrank")
 AVERAGE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")  # replica averaging sends nothing zstd-coded
 NEEDS_ZSTD = frozenset({"int3_rot"})  # as plain bytes as large as int4_rot's, and coarser
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
@@ -81,6 +81,7 @@ class RunOptions:
     wire_backward: str | None
     error_feedback_backward: str  # on, off, auto (on for the links whose gradient codec is in FEEDBACK_AUTO_CODECS)
     wire_zstd: bool
+    wire_rank: int
     schedule: str
     max_staleness: int
     max_in_flight: int
@@ -182,6 +183,7 @@ class RunOptions:
             wire_backward=wire_backward,
             error_feedback_backward=self.error_feedback_backward,
             wire_zstd=self.wire_zstd,
+            wire_rank=self.wire_rank,
             schedule=self.schedule,
             max_staleness=self.max_staleness,
             max_in_flight=self.max_in_flight,
@@ -311,6 +313,16 @@ def _train_params(
             callback=lambda v: _check_choice(v, ON_OFF, "setting"),
         ),
     ] = "on",
+    wire_rank: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=4096,
+            help="Columns of each factor of the lowrank codec (--wire-forward/--wire-backward lowrank): each "
+            "micro-batch tensor travels as (tokens + width) x rank int8 values, for models whose boundary "
+            "tensors hold their energy in few directions (benchmarks/entropy.py measures it; docs/codecs.md).",
+        ),
+    ] = 32,
     schedule: Annotated[
         str,
         typer.Option(
@@ -447,6 +459,7 @@ def _train_params(
         wire_backward,
         error_feedback_backward,
         wire_zstd == "on",
+        wire_rank,
         schedule,
         max_staleness if schedule == "async" else 0,
         max_in_flight,

@@ -175,8 +175,8 @@ def plan_report(
         },
         "stages": rows,
         "boundary_bytes_per_token": {  # as planned: under auto, the ladder's smallest codec
-            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=ZSTD)[0],
-            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=ZSTD)[1],
+            "forward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=ZSTD, tokens=tokens)[0],
+            "backward": arch.hidden * wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=ZSTD, tokens=tokens)[1],
         },
         "links": [asdict(x) for x in links],  # each link's codecs (coordinator/wire_choice.py)
         "layer_flops_per_micro_batch": flops,
@@ -326,8 +326,8 @@ def plan(
                 f"--dtype {dtype} --quant {quant}: choose {'/'.join(mm.DTYPE_BYTES)} and {'/'.join(BASE_QUANTS)}"
             )
         for codec in (wire_forward, wire_backward):
-            if codec is not None and codec not in CODEC_BYTES and codec != WIRE_AUTO:
-                raise SpecError(f"unknown codec {codec!r}; choose {', '.join(CODEC_BYTES)} or {WIRE_AUTO}")
+            if codec is not None and codec not in (*CODEC_BYTES, "lowrank") and codec != WIRE_AUTO:
+                raise SpecError(f"unknown codec {codec!r}; choose {', '.join(CODEC_BYTES)}, lowrank or {WIRE_AUTO}")
         arch = mm.Arch.from_path(model)
         default_forward, default_backward = default_wire(arch.hidden)
         wire_forward, wire_backward = wire_forward or default_forward, wire_backward or default_backward

@@ -16,7 +16,15 @@ from collections.abc import Sequence
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import ModelSpec, PeerSpec
-from swarm.config import HFConfig, ModelConfig, TrainConfig, backward_ladder, forward_ladder, planned_codec
+from swarm.config import (
+    DEFAULT_WIRE_RANK,
+    HFConfig,
+    ModelConfig,
+    TrainConfig,
+    backward_ladder,
+    forward_ladder,
+    planned_codec,
+)
 from swarm.dht.schema import PeerRecord
 
 # bytes per element on the wire, counting the fp16 scale of each 64-element block
@@ -86,13 +94,27 @@ def hf_arch(model: ModelConfig, hf: HFConfig) -> mm.Arch:
         return mm.Arch.from_config({"model_type": "gpt2", **gpt2, "vocab_size": model.vocab_size})
 
 
-def wire_bytes(wire_forward: str, wire_backward: str, width: int, *, zstd: bool) -> tuple[float, float]:
+def wire_bytes(
+    wire_forward: str, wire_backward: str, width: int, *, zstd: bool, tokens: int = 0, rank: int = DEFAULT_WIRE_RANK
+) -> tuple[float, float]:
     """Bytes per element the planner sizes each direction with (``auto``: its ladder's smallest codec, for a
-    model ``width`` wide whose 3- and 4-bit codes travel zstd-coded or not); plain sizes, before zstd."""
+    model ``width`` wide whose 3- and 4-bit codes travel zstd-coded or not); plain sizes, before zstd.
+    ``lowrank``'s depend on the micro-batch's ``tokens`` (rows) and the ``rank``: see :func:`lowrank_bytes`."""
+    fwd = planned_codec(wire_forward, forward_ladder(width, zstd=zstd))
+    bwd = planned_codec(wire_backward, backward_ladder(width, zstd=zstd))
+    low = lowrank_bytes(tokens, width, rank)
     return (
-        CODEC_BYTES[planned_codec(wire_forward, forward_ladder(width, zstd=zstd))],
-        GRADIENT_CODEC_BYTES[planned_codec(wire_backward, backward_ladder(width, zstd=zstd))],
+        low if fwd == "lowrank" else CODEC_BYTES[fwd],
+        low if bwd == "lowrank" else GRADIENT_CODEC_BYTES[bwd],
     )
+
+
+def lowrank_bytes(tokens: int, width: int, rank: int) -> float:
+    """Bytes per element of a ``tokens x width`` tensor sent ``lowrank``: ``(tokens + width) x rank`` int8 codes
+    and an fp32 scale per 64 (``tokens`` unknown, 0: sized as a square matrix)."""
+    rows = tokens or width
+    r = min(rank, rows, width)
+    return (rows + width) * r * (1 + 4 / 64) / (rows * width)
 
 
 def boundary_elements(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = None) -> float:
@@ -103,13 +125,19 @@ def boundary_elements(model: ModelConfig, train: TrainConfig, hf: HFConfig | Non
 
 
 def hf_model_spec(
-    arch: mm.Arch, settings: mm.Settings, wire_forward: str, wire_backward: str, *, zstd: bool
+    arch: mm.Arch,
+    settings: mm.Settings,
+    wire_forward: str,
+    wire_backward: str,
+    *,
+    zstd: bool,
+    rank: int = DEFAULT_WIRE_RANK,
 ) -> ModelSpec:
     """Per-layer memory and cost of a checkpoint (embedding on layer 0, head and logits on the last; the last
     block keeps one micro-batch's activations, the others every one in flight)."""
     per_token = settings.tokens * arch.hidden
     n_b = arch.n_layers - 1
-    fwd, bwd = wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=zstd)
+    fwd, bwd = wire_bytes(wire_forward, wire_backward, arch.hidden, zstd=zstd, tokens=settings.tokens, rank=rank)
     return ModelSpec(
         layer_cost=mm.layer_costs(arch, settings),
         layer_memory=mm.layer_memory(arch, settings),
@@ -125,12 +153,16 @@ def model_spec(model: ModelConfig, train: TrainConfig, hf: HFConfig | None = Non
     if hf is not None:
         arch = hf_arch(model, hf)
         settings = hf_settings(model, train, hf)
-        return hf_model_spec(arch, settings, train.wire_forward, train.wire_backward, zstd=train.wire_zstd)
+        return hf_model_spec(
+            arch, settings, train.wire_forward, train.wire_backward, zstd=train.wire_zstd, rank=train.wire_rank
+        )
     d, tokens = model.d_model, train.micro_batch_size * model.context
     params = 12 * d * d  # attention (4 d^2) + MLP (8 d^2) per layer
     weights = params * (4 + 4 + 8)  # fp32 weights, gradients, AdamW moments
     activations = tokens * d * ACTIVATION_TENSORS_PER_LAYER * 4 * train.in_flight_limit
-    fwd, bwd = wire_bytes(train.wire_forward, train.wire_backward, d, zstd=train.wire_zstd)
+    fwd, bwd = wire_bytes(
+        train.wire_forward, train.wire_backward, d, zstd=train.wire_zstd, tokens=tokens, rank=train.wire_rank
+    )
     return ModelSpec.uniform(
         model.n_layers,
         layer_memory=float(weights + activations),

@@ -20,6 +20,7 @@ import torch
 
 from swarm.pb import wire_pb2 as pb
 from swarm.wire.codec_policy import WirePolicy
+from swarm.wire.codecs import DEFAULT_RANK
 from swarm.wire.packets import tensor_to_pb
 
 POISON_MODES = ("scale", "nan")
@@ -90,12 +91,18 @@ def wire_policy(
     error_feedback: str = "off",
     backward_to: dict[str, str] | None = None,
     zstd: bool = False,
+    rank: int = DEFAULT_RANK,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
     per_link = dict(backward_to or {})
     if not poison:
         return WirePolicy(
-            forward=forward, backward=backward, error_feedback=error_feedback, backward_to=per_link, zstd=zstd
+            forward=forward,
+            backward=backward,
+            error_feedback=error_feedback,
+            backward_to=per_link,
+            zstd=zstd,
+            rank=rank,
         )
     if poison not in POISON_MODES:
         raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
@@ -105,6 +112,7 @@ def wire_policy(
         error_feedback=error_feedback,
         backward_to=per_link,
         zstd=zstd,
+        rank=rank,
         mode=poison,
         after=after,
         version=version,

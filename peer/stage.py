@@ -96,6 +96,7 @@ class Stage:
             error_feedback=self.train_cfg.error_feedback_backward,
             backward_to=codecs.backward_to,
             zstd=self.train_cfg.wire_zstd,
+            rank=self.train_cfg.wire_rank,
         )
         self.sanity = LinkSanity(DAEMON_SETTINGS, hooks.quarantine)  # per-link norms; quarantines poisoners
         self.links = Links(set(view.downstreams))

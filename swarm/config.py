@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 # 7: 4-bit payloads may travel zstd-coded (Tensor.compression, TrainConfig.wire_zstd)
 # 8: codec INT3_ROT (a peer of 7 would refuse its packets mid-run instead of at Hello)
 # 9: the scales of zstd-coded tensors may travel coded too (Tensor.scales_compression), as byte planes
-PROTOCOL_VERSION = 9
+# 10: codec LOWRANK (Tensor.rank, TrainConfig.wire_rank); error feedback 'auto' decided per link
+PROTOCOL_VERSION = 10
 SCHEDULES = ("sync", "async")
+DEFAULT_WIRE_RANK = 32  # columns of each factor of the ``lowrank`` codec (``--wire-rank``)
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,
 # least per-message error first (coordinator/wire_choice.py). Since gradients carry fp32 block scales
@@ -142,6 +144,7 @@ class TrainConfig:
     wire_backward: str = "fp32"
     error_feedback_backward: str = "off"  # on, off or auto: carry a lossy gradient codec's residual, per link
     wire_zstd: bool = True  # 3- and 4-bit codes travel zstd-coded: lossless, fewer bytes (swarm/wire/entropy.py)
+    wire_rank: int = DEFAULT_WIRE_RANK  # columns of each factor of the ``lowrank`` codec (swarm/wire/lowrank.py)
     average_every: int = 10  # T: replicas of a block average their parameter change every T local steps
     average_codec: str = "int8"
     outer_lr: float = 1.0  # DiLoCo outer step on the averaged change; 1 with no momentum is plain averaging

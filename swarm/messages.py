@@ -59,6 +59,7 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         error_feedback_backward=cfg.error_feedback_backward == "on",
         error_feedback_backward_auto=cfg.error_feedback_backward == "auto",
         wire_zstd=cfg.wire_zstd,
+        wire_rank=cfg.wire_rank,
         warmup_steps=cfg.warmup_steps,
         sync_steps=cfg.sync_steps,
         grad_clip=cfg.grad_clip,
@@ -102,6 +103,7 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
         if t.error_feedback_backward
         else "off",
         wire_zstd=t.wire_zstd,
+        wire_rank=t.wire_rank or TrainConfig.wire_rank,
         max_staleness=t.max_staleness,
         max_in_flight=t.max_in_flight,
         checkpoint_every=t.checkpoint_every,

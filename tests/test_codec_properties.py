@@ -108,7 +108,7 @@ def test_nan_or_negative_scales_refused(codec, value):
 
 
 @FAST
-@given(name=st.text(min_size=0, max_size=12).filter(lambda s: s not in CODEC_NAMES), pb_id=st.integers(9, 2**31 - 1))
+@given(name=st.text(min_size=0, max_size=12).filter(lambda s: s not in CODEC_NAMES), pb_id=st.integers(10, 2**31 - 1))
 def test_unknown_codec_names_and_ids_refused(name, pb_id):
     with pytest.raises(CodecError, match="unknown codec"):
         decode(dataclasses.replace(_valid("int8"), codec=name))
@@ -185,7 +185,10 @@ def test_malformed_pb_tensors_raise_wire_error_only(codec, dims, payload_cut, bl
     except packets.WireError:
         return
     assert tuple(y.shape) == tuple(dims)
-    assert y.numel() * y.element_size() <= 64 * 8
+    if codec == "lowrank":  # (m + n) x rank codes make an m x n matrix: at most (codes / 2)**2 values
+        assert y.numel() <= (len(msg.payload) / 2) ** 2
+    else:
+        assert y.numel() * y.element_size() <= 64 * 8
 
 
 def test_pb_round_trip_of_every_codec_and_dtype():

@@ -389,6 +389,8 @@ def test_every_codec_encodes_what_sanity_admits(codec, kind):
     assert bool(torch.isfinite(y).all())
     if codec in LEVELS:
         assert_within_bound(x, enc, y)
+    elif codec == "lowrank":  # 4 rows: rank 4 holds the whole matrix, up to the int8 factors
+        assert float((y - x).norm() / x.norm()) < 0.02
     else:
         assert float((y - x).abs().max()) <= top * OUT_EPS[_STORAGE[codec]]
 

@@ -40,7 +40,8 @@ PublicKey = Annotated[str, Field(pattern=r"^([A-Za-z0-9+/]{43}=)?$")]  # Ed25519
 TlsFingerprint = Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64})?$")]  # "" when the peer serves in clear
 
 PeerState = Literal["joining", "online", "leaving"]
-WireCodec = Literal["fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot"]  # what a link may send floats with
+# what a link may send floats with
+WireCodec = Literal["fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "lowrank"]
 MAX_LINKS = 1024
 
 

@@ -29,6 +29,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT4_ROT: _ClassVar[Codec]
     RAW: _ClassVar[Codec]
     INT3_ROT: _ClassVar[Codec]
+    LOWRANK: _ClassVar[Codec]
 
 class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,12 +53,13 @@ INT4: Codec
 INT4_ROT: Codec
 RAW: Codec
 INT3_ROT: Codec
+LOWRANK: Codec
 COMPRESSION_NONE: Compression
 ZSTD: Compression
 ZSTD_PLANES: Compression
 
 class Tensor(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed", "compression", "scales_compression")
+    __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed", "compression", "scales_compression", "rank")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class Tensor(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     SCALES_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
@@ -76,7 +79,8 @@ class Tensor(_message.Message):
     seed: int
     compression: Compression
     scales_compression: Compression
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., scales_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    rank: int
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., scales_compression: _Optional[_Union[Compression, str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("id", "step", "index", "weight_version", "eval")

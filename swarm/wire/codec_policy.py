@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, QUANT_CODECS, encode
+from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, DEFAULT_RANK, LOSSY_CODECS, encode
 from swarm.wire.error_feedback import ErrorFeedback
 from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
 from swarm.wire.quantize import num_blocks
 
-LOSSY = frozenset(QUANT_CODECS)
+LOSSY = frozenset(LOSSY_CODECS)
 FEEDBACK_MODES = ("auto", "on", "off")
 # Gradient codecs whose error feedback pays: at the default recipe it took int3_rot's loss cost on
 # gpt-medium from +3.2% to +2.0%; on int8 and int4_rot gradients it gained nothing (docs/BENCHMARKS.md).
-FEEDBACK_AUTO_CODECS = frozenset({"int3_rot"})
+# lowrank drops the same small directions of every gradient, the bias it exists for (measured with it only).
+FEEDBACK_AUTO_CODECS = frozenset({"int3_rot", "lowrank"})
 
 
 def feeds_back(mode: str, codec: str) -> bool:
@@ -46,6 +47,7 @@ class WirePolicy:
     error_feedback: str = "off"  # a FEEDBACK_MODES entry (``--error-feedback-backward``), applied per link
     zstd: bool = False  # 4-bit payloads travel zstd-coded, losslessly (``--wire-zstd``, swarm/wire/entropy.py)
     block_size: int = DEFAULT_BLOCK_SIZE
+    rank: int = DEFAULT_RANK  # the lowrank codec's (``--wire-rank``)
     max_elements: int = DEFAULT_MAX_ELEMENTS
     backward_to: dict[str, str] = field(default_factory=dict)  # upstream holder -> codec of gradients to it
     sent: Counter[str] = field(default_factory=Counter)  # "forward:<codec>" / "backward:<codec>" -> tensors
@@ -55,7 +57,7 @@ class WirePolicy:
     def _options(self, codec: str, mb: pb.MicroBatch) -> dict:
         if codec not in LOSSY:
             return {}
-        return {"block_size": self.block_size, "seed": mb.id}
+        return {"block_size": self.block_size, "seed": mb.id, **({"rank": self.rank} if codec == "lowrank" else {})}
 
     def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
         if hidden.is_floating_point():

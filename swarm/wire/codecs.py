@@ -17,7 +17,10 @@ Codecs:
   outliers; only the seed travels;
 * ``int3_rot``: ``int4_rot``'s layout with 7 levels (-3..3) instead of 15: the same plain bytes, but
   codes of one bit less information, so it pays only zstd-coded (``swarm.wire.entropy``), where it
-  sends 30-47% fewer bytes than ``int4_rot`` at 2.3x its error (docs/codecs.md, "int3_rot").
+  sends 30-47% fewer bytes than ``int4_rot`` at 2.3x its error (docs/codecs.md, "int3_rot");
+* ``lowrank``: the tensor as a matrix of rows of its last dimension, sent as two thin int8 factors of
+  ``rank`` columns (``swarm.wire.lowrank``): ``(rows + columns) x rank`` bytes instead of one per value,
+  and an error that depends on how much of the matrix's energy those directions hold, not on a bit width.
 
 See ``docs/codecs.md`` for the layout, the error bound of each codec and measured speed;
 ``swarm.wire.error_feedback.ErrorFeedback`` keeps the quantisation error of gradients from accumulating.
@@ -32,13 +35,16 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.wire import bytes_out, quantize
+from swarm.config import DEFAULT_WIRE_RANK
+from swarm.wire import bytes_out, lowrank, quantize
 from swarm.wire.hadamard import BlockRotation, is_power_of_two
 
 FLOAT_CODECS = ("fp32", "fp16", "bf16")
 QUANT_CODECS = ("int8", "int4", "int4_rot", "int3_rot")
 ROTATED_CODECS = frozenset({"int4_rot", "int3_rot"})
-CODEC_NAMES = (*FLOAT_CODECS, "raw", *QUANT_CODECS)
+LOSSY_CODECS = (*QUANT_CODECS, "lowrank")
+CODEC_NAMES = (*FLOAT_CODECS, "raw", *LOSSY_CODECS)
+DEFAULT_RANK = DEFAULT_WIRE_RANK
 RAW_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32)
 DECODED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_BLOCK_SIZE = 64
@@ -59,7 +65,8 @@ class CodecError(ValueError):
 class EncodedTensor:
     """A tensor as it travels: codec name, decoded shape and dtype, and the bytes.
 
-    ``scales``, ``block_size`` and ``seed`` are used by the integer codecs only (empty / 0 otherwise).
+    ``scales``, ``block_size`` and ``seed`` are used by the integer codecs only (empty / 0 otherwise),
+    ``rank`` by ``lowrank`` only.
     """
 
     codec: str
@@ -69,6 +76,7 @@ class EncodedTensor:
     scales: bytes = b""
     block_size: int = 0
     seed: int = 0
+    rank: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +175,7 @@ def encode(
     seed: int = 0,
     allow_nonfinite: bool = False,
     small: bool = False,
+    rank: int = DEFAULT_RANK,
 ) -> EncodedTensor:
     """Encode ``x`` with ``codec``; refuses NaN/Inf unless allowed (a broken peer must not spread them).
 
@@ -176,14 +185,14 @@ def encode(
     The integer codecs cannot represent NaN/Inf at all (their scales must be finite), so they refuse
     non-finite input even with ``allow_nonfinite``.
     The decoded tensor will have ``x.dtype``, which must be float32, float16 or bfloat16 for every
-    codec but ``raw``.
+    codec but ``raw``. ``rank`` is ``lowrank``'s (capped at the matrix's smaller side).
     """
     shape = tuple(x.shape)
     if codec == "raw":
         if x.dtype not in RAW_DTYPES:
             raise CodecError(f"raw codec does not carry dtype {x.dtype}")
         return EncodedTensor("raw", shape, x.dtype, _to_bytes(x))
-    if codec not in _STORAGE_DTYPE and codec not in _BITS:
+    if codec not in _STORAGE_DTYPE and codec not in _BITS and codec != "lowrank":
         raise CodecError(f"unknown codec {codec!r}; known: {', '.join(CODEC_NAMES)}")
     if x.dtype not in DECODED_FLOAT_DTYPES:
         raise CodecError(f"codec {codec} needs a float32, float16 or bfloat16 tensor, got {x.dtype}")
@@ -196,6 +205,8 @@ def encode(
                 "would arrive as Inf; use bf16, fp32 or an integer codec for this direction"
             )
         return EncodedTensor(codec, shape, x.dtype, _cast_to_bytes(x, _STORAGE_DTYPE[codec]))
+    if codec == "lowrank":
+        return _encode_lowrank(x, block_size, seed, rank)
     bits = _check_quant_params(codec, block_size, seed)
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
@@ -235,6 +246,60 @@ def encode(
     )
 
 
+def _check_rank(rank: object, shape: tuple[int, ...]) -> int:
+    """``rank`` as ``lowrank`` may carry it for ``shape``: at least 1 (0 for an empty tensor), at most the
+    matrix's smaller side."""
+    m, n = lowrank.matrix_shape(shape)
+    top = min(m, n, lowrank.MAX_RANK)
+    if type(rank) is not int or not (1 if top else 0) <= rank <= top:
+        raise CodecError(f"rank {rank!r} of a lowrank {m} x {n} matrix must be an integer in [1, {top}]")
+    return rank
+
+
+def _encode_lowrank(x: torch.Tensor, block_size: object, seed: object, rank: object) -> EncodedTensor:
+    check_block_size("int8", block_size)
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED:
+        raise CodecError(f"seed {seed!r} must be an unsigned 64-bit integer")
+    if type(rank) is not int or rank < 1:
+        raise CodecError(f"rank {rank!r} must be a positive integer")
+    shape = tuple(x.shape)
+    if not _all_finite(x):
+        raise CodecError("tensor contains NaN or Inf, which codec lowrank cannot represent")
+    r = lowrank.effective_rank(min(rank, lowrank.MAX_RANK), shape)
+    payload, scales = lowrank.encode(x, r, seed, block_size) if r else (torch.empty(0, dtype=torch.int8),) * 2
+    if r and not bool(torch.isfinite(scales).all()):  # factors beyond float32: nothing the receiver could use
+        raise CodecError("tensor too large for codec lowrank's factors")
+    return EncodedTensor(
+        "lowrank", shape, x.dtype, _to_bytes(payload), scales=_to_bytes(scales), block_size=block_size, rank=r
+    )
+
+
+def _decode_lowrank(enc: EncodedTensor, device: torch.device | str | None) -> torch.Tensor:
+    check_block_size("int8", enc.block_size)
+    if enc.dtype not in DECODED_FLOAT_DTYPES:
+        raise CodecError(f"codec lowrank cannot decode to {enc.dtype}")
+    r = _check_rank(enc.rank, enc.shape)
+    pn, qn, pb, qb = lowrank.sizes(r, enc.shape, enc.block_size)
+    if len(enc.payload) != pn + qn:
+        raise CodecError(
+            f"payload of {len(enc.payload)} bytes does not match shape {list(enc.shape)} with codec lowrank "
+            f"of rank {r} ({pn + qn} bytes expected)"
+        )
+    if len(enc.scales) != 4 * (pb + qb):
+        raise CodecError(
+            f"scales of {len(enc.scales)} bytes do not match {pb + qb} blocks of {enc.block_size} elements "
+            f"({4 * (pb + qb)} bytes of fp32 expected)"
+        )
+    scales = _from_bytes(enc.scales, torch.float32, pb + qb)
+    if pb + qb and not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+        raise CodecError("codec lowrank message has a negative, NaN or infinite scale")
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    if not r:
+        return torch.zeros(enc.shape, dtype=enc.dtype, device=target)
+    payload = _from_bytes(enc.payload, torch.int8, pn + qn)
+    return lowrank.decode(payload, scales, enc.shape, r, enc.block_size, enc.dtype, target)
+
+
 def decode(
     enc: EncodedTensor, *, max_elements: int = 1 << 28, device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -248,6 +313,8 @@ def decode(
         raise CodecError(f"tensor of {n} elements exceeds the limit of {max_elements}")
     if enc.codec in _BITS:
         return _decode_quantised(enc, n, device)
+    if enc.codec == "lowrank":
+        return _decode_lowrank(enc, device)
     if enc.codec == "raw":
         if enc.dtype not in RAW_DTYPES:
             raise CodecError(f"raw codec does not carry dtype {enc.dtype}")

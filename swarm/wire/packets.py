@@ -42,6 +42,7 @@ _CODEC_TO_PB = {
     "int4_rot": pb.INT4_ROT,
     "int3_rot": pb.INT3_ROT,
     "raw": pb.RAW,
+    "lowrank": pb.LOWRANK,
 }
 _PB_TO_CODEC = {v: k for k, v in _CODEC_TO_PB.items()}
 
@@ -89,6 +90,7 @@ def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor
         seed=enc.seed,
         compression=pb.ZSTD if coded else pb.COMPRESSION_NONE,
         scales_compression=pb.COMPRESSION_NONE if scales is None else pb.ZSTD_PLANES,
+        rank=enc.rank,
     )
 
 
@@ -161,6 +163,7 @@ def tensor_from_pb(
         scales=_scales(msg, codec, shape, max_elements),
         block_size=msg.block_size,
         seed=msg.seed,
+        rank=msg.rank,
     )
     try:
         return codecs.decode(enc, max_elements=max_elements, device=device)
