@@ -11,14 +11,15 @@ zstd-compressed; the scales of the 4-bit codecs are coded as the wire codes them
 plain, the relative error ``||decode - x|| / ||x||``, the coded bytes per token (one token is one row of
 ``d_model`` values) and the single-core speeds (median of ``--repeats``, MB/s of plain payload).
 
-Two columns say how much better any codec could do. ``bound`` is the least relative error that *any* code
-of the same coded bits per value ``R`` reaches on an i.i.d. Gaussian source of the same power, ``2**-R``
-(Shannon's distortion-rate function, ``D(R) = sigma**2 * 2**(-2R)``); after the rotation a block is close to
-Gaussian, so a codec near it has little left to gain by quantising values one at a time. What it leaves is
-the structure across values, which the second table measures: the share of a tensor's energy (its squared
+Two yardsticks say what is left to gain. ``bound`` is the least relative error that any code of the same
+coded bits per value ``R`` reaches on an i.i.d. Gaussian source of the same power, ``2**-R`` (Shannon's
+distortion-rate function, ``D(R) = sigma**2 * 2**(-2R)``). The Gaussian is the hardest source of a given
+power to compress, so this is what a perfect codec is sure of on any data; a codec whose error is below
+it is already living off the data's structure (zstd finds some in the codes), one far above it wastes bits
+even on noise. The structure itself is in the second table: the share of a tensor's energy (its squared
 Frobenius norm, as a ``tokens x d_model`` matrix) in its top 8, 16, 32 and 64 singular directions, and in
 its mean row. A matrix whose energy sits in a few directions can be sent in far fewer bytes than its
-entries one by one (a low-rank code), at an error no scalar codec of that size reaches.
+entries one by one (the ``lowrank`` codec), at an error no value-by-value codec of that size reaches.
 
 Run: ``PYTHONPATH=. python -m benchmarks.entropy`` (alone on the machine for the speeds).
 """
