@@ -23,11 +23,11 @@ from rich.table import Table
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import CostModel, PeerSpec
-from coordinator.options import WIRE_DEFAULT_HELP, default_wire
 from coordinator.placement import NoFit, PlacementError, place
 from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
 from coordinator.wire_choice import choose_links
+from coordinator.wire_defaults import WIRE_DEFAULT_HELP, default_wire
 from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig, backward_ladder, forward_ladder
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches

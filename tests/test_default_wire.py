@@ -14,15 +14,9 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from coordinator.options import (
-    DEFAULT_WIRE_NARROW,
-    DEFAULT_WIRE_WIDE,
-    DEFAULT_WIRE_WIDE_PLAIN,
-    RunOptions,
-    default_wire,
-    with_train_options,
-)
+from coordinator.options import RunOptions, with_train_options
 from coordinator.ravn_cli import app as ravn_app
+from coordinator.wire_defaults import DEFAULT_WIRE_NARROW, DEFAULT_WIRE_WIDE, DEFAULT_WIRE_WIDE_PLAIN, default_wire
 from swarm.config import MODEL_PRESETS
 from tests.test_plan_command import TINY
 
