@@ -94,16 +94,26 @@ def wire_policy(
     rank: int = DEFAULT_RANK,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
-    honest = {
-        "forward": forward,
-        "backward": backward,
-        "error_feedback": error_feedback,
-        "backward_to": dict(backward_to or {}),
-        "zstd": zstd,
-        "rank": rank,
-    }
+    per_link = dict(backward_to or {})
     if not poison:
-        return WirePolicy(**honest)
+        return WirePolicy(
+            forward=forward,
+            backward=backward,
+            error_feedback=error_feedback,
+            backward_to=per_link,
+            zstd=zstd,
+            rank=rank,
+        )
     if poison not in POISON_MODES:
         raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
-    return PoisonedPolicy(**honest, mode=poison, after=after, version=version)
+    return PoisonedPolicy(
+        forward=forward,
+        backward=backward,
+        error_feedback=error_feedback,
+        backward_to=per_link,
+        zstd=zstd,
+        rank=rank,
+        mode=poison,
+        after=after,
+        version=version,
+    )
