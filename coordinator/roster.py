@@ -63,12 +63,21 @@ class Roster:
         """Make ``plan`` the current one: saved on disk, stored in the DHT."""
         self.planning.plan = plan
         self.record.save_state()
+        await self._store(plan)
+
+    async def _store(self, plan: Plan) -> None:
         try:
             stored = await self.membership.publish(plan)
         except TimeoutError:  # the plan is saved on disk and re-published every heartbeat
             stored = False
         if not stored:
             log.warning("plan version %d was not stored in the DHT; retrying at the next heartbeat", plan.version)
+
+    async def _store_current(self) -> None:
+        """The heartbeat's store. It reads the plan when it runs, not when the tick made it, and never sets
+        it: a re-plan between the two would otherwise be undone by the dead plan."""
+        if self.planning.plan is not None:
+            await self._store(self.planning.plan)
 
     async def records(self, *, include_leaving: bool = False) -> list[PeerRecord] | None:
         """The peers' records, or None when the DHT did not answer in time: a missed heartbeat, not the end
@@ -83,7 +92,7 @@ class Roster:
         """Re-publish the current plan every heartbeat (DHT values expire), each store on its own clock."""
         await refresh_every(
             self.membership.s.heartbeat,
-            lambda: None if self.planning.plan is None else self.publish(self.planning.plan),
+            lambda: None if self.planning.plan is None else self._store_current(),
             PLAN_STORES_IN_FLIGHT,
         )
 
