@@ -7,6 +7,7 @@ leave, and the neighbours it quarantined; a quarantined peer is excluded from th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 
@@ -16,6 +17,8 @@ from coordinator.run_record import RunRecord
 from coordinator.run_settings import RunSettings
 from coordinator.sessions import Sessions
 from swarm.pb import control_pb2 as cpb
+
+log = logging.getLogger(__name__)
 
 STATUS_WINDOW_S = 10.0  # rates in `ravn status` are taken over this much report history
 
@@ -54,7 +57,14 @@ class ReportIntake:
             self.exclude(q.peer_id, q.reason, by=r.peer_id)
         if stepped or r.finished:
             self.record.save_state()
-        if r.error:
+        if r.error and 0 < r.error_epoch < self.record.store.epoch:
+            log.info(
+                "peer %s: %s (a block of plan epoch %d, which the run has left: ignored)",
+                r.peer_id,
+                printable(r.error),
+                r.error_epoch,
+            )
+        elif r.error:
             flow.fail(f"peer {r.peer_id}: {r.error}")
         if r.leaving and r.peer_id not in sessions.leaving:
             sessions.leaving.add(r.peer_id)

@@ -94,10 +94,14 @@ class Reporter:
             except grpc.aio.AioRpcError as e:
                 log.warning("report to the coordinator failed: %s", e.details())
 
-    async def fail(self, reason: str) -> None:
-        """A fault this peer cannot repair: tell the coordinator, which decides what happens next."""
+    async def fail(self, reason: str, *, epoch: int = 0) -> None:
+        """A fault this peer cannot repair: tell the coordinator, which decides what happens next.
+
+        ``epoch``: the plan epoch of the block it is about (0: the peer's own). A block of a plan the run
+        has left sees its links close as its neighbours move to the new plan; the coordinator drops such
+        a fault instead of recovering again."""
         log.error(reason)
-        await self.report(error=reason)
+        await self.report(error=reason, error_epoch=epoch)
 
 
 def merge_reports(pending: cpb.StatusReport | None, new: cpb.StatusReport) -> cpb.StatusReport:
@@ -111,7 +115,8 @@ def merge_reports(pending: cpb.StatusReport | None, new: cpb.StatusReport) -> cp
     pending.ready |= new.ready
     pending.finished |= new.finished
     pending.leaving |= new.leaving
-    pending.error = pending.error or new.error
+    if not pending.error:
+        pending.error, pending.error_epoch = new.error, new.error_epoch
     pending.stats.CopyFrom(new.stats)
     return pending
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 
@@ -84,8 +85,8 @@ class Session:
     async def report(self, **fields) -> None:
         await self.reporter.report(**fields)
 
-    async def fail(self, reason: str) -> None:
-        await self.reporter.fail(reason)
+    async def fail(self, reason: str, *, epoch: int = 0) -> None:
+        await self.reporter.fail(reason, epoch=epoch)
 
     def peer_key(self, peer: str) -> str | None:
         """The key the signed plan pins for ``peer`` (None: not in our plan): who may call in its name."""
@@ -268,10 +269,11 @@ class Session:
         model_cfg, train_cfg, hf = assignment_configs(a)
         if hf is not None and self.settings.hf_path:
             hf = dataclasses.replace(hf, path=self.settings.hf_path)
+        fail = functools.partial(self.fail, epoch=a.epoch)  # a fault of this block names its plan epoch
         hooks = StageHooks(
             peer_id=self.peer_id,
             compute=self.compute,
-            fail=self.fail,
+            fail=fail,
             channel=self.channels.stage,
             checkpoint=self.checkpoints.on_snapshot,
             quarantine=self.quarantine,
@@ -306,7 +308,7 @@ class Session:
                 model_cfg,
                 hf,
                 report=self.report,
-                fail=self.fail,
+                fail=fail,
                 step_timeout=self.settings.step_timeout,
             )
             stage.source = driver

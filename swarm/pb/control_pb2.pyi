@@ -306,7 +306,7 @@ class EvalResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class StatusReport(_message.Message):
-    __slots__ = ("peer_id", "ready", "stats", "steps", "evals", "finished", "error", "leaving", "quarantined")
+    __slots__ = ("peer_id", "ready", "stats", "steps", "evals", "finished", "error", "leaving", "error_epoch", "quarantined")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class StatusReport(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    ERROR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     ready: bool
@@ -324,8 +325,9 @@ class StatusReport(_message.Message):
     finished: bool
     error: str
     leaving: bool
+    error_epoch: int
     quarantined: _containers.RepeatedCompositeFieldContainer[Quarantined]
-    def __init__(self, peer_id: _Optional[str] = ..., ready: _Optional[bool] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., leaving: _Optional[bool] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
+    def __init__(self, peer_id: _Optional[str] = ..., ready: _Optional[bool] = ..., stats: _Optional[_Union[StageStats, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepResult, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., finished: _Optional[bool] = ..., error: _Optional[str] = ..., leaving: _Optional[bool] = ..., error_epoch: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
 
 class Quarantined(_message.Message):
     __slots__ = ("peer_id", "reason")
