@@ -94,26 +94,16 @@ def wire_policy(
     rank: int = DEFAULT_RANK,
 ) -> WirePolicy:
     """The honest policy, or (testing only) one that poisons what it sends."""
-    per_link = dict(backward_to or {})
+    honest = {
+        "forward": forward,
+        "backward": backward,
+        "error_feedback": error_feedback,
+        "backward_to": dict(backward_to or {}),
+        "zstd": zstd,
+        "rank": rank,
+    }
     if not poison:
-        return WirePolicy(
-            forward=forward,
-            backward=backward,
-            error_feedback=error_feedback,
-            backward_to=per_link,
-            zstd=zstd,
-            rank=rank,
-        )
+        return WirePolicy(**honest)
     if poison not in POISON_MODES:
         raise ValueError(f"unknown poison mode {poison!r}; use one of {', '.join(POISON_MODES)}")
-    return PoisonedPolicy(
-        forward=forward,
-        backward=backward,
-        error_feedback=error_feedback,
-        backward_to=per_link,
-        zstd=zstd,
-        rank=rank,
-        mode=poison,
-        after=after,
-        version=version,
-    )
+    return PoisonedPolicy(**honest, mode=poison, after=after, version=version)

@@ -31,7 +31,8 @@ LOSSY = frozenset(LOSSY_CODECS)
 FEEDBACK_MODES = ("auto", "on", "off")
 # Gradient codecs whose error feedback pays: at the default recipe it took int3_rot's loss cost on
 # gpt-medium from +3.2% to +2.0%; on int8 and int4_rot gradients it gained nothing (docs/BENCHMARKS.md).
-# lowrank drops the same small directions of every gradient, the bias it exists for (measured with it only).
+# lowrank drops the same small directions of every gradient, the bias it exists for; measured only with it,
+# where lowrank gradients still cost +2.35% (docs/codecs.md, "Low rank": send gradients int3_rot).
 FEEDBACK_AUTO_CODECS = frozenset({"int3_rot", "lowrank"})
 
 
