@@ -23,6 +23,7 @@ from coordinator.status_data import (
     eta_seconds,
     peer_status_from_stats,
 )
+from swarm.wire.codec_policy import feeds_back
 
 
 def swarm_status(
@@ -82,7 +83,11 @@ def swarm_status(
         **flow.trouble(bool(s.train.checkpoint_every)),
     )
     excluded = tuple(ExcludedPeer(name=p, reason=why) for p, why in sessions.excluded.items())
-    links = tuple(LinkStatus(**x.model_dump()) for x in plan.links) if plan is not None else ()
+    feedback = s.train.error_feedback_backward  # decided per link, by the link's gradient codec
+    links = tuple(
+        LinkStatus(**x.model_dump(), backward_error_feedback=feeds_back(feedback, x.backward))
+        for x in (plan.links if plan is not None else ())
+    )
     return SwarmStatus(
         run=run,
         peers=tuple(peers),

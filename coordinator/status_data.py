@@ -26,12 +26,13 @@ renamed); :meth:`SwarmStatus.to_dict` is the same without ``verdict`` and the de
      "blocks": [{"layers": [a, b], "replicas": int, "covered": bool, "bottleneck": bool}],
      "excluded": [{"name": str, "reason": str}],
      "links": [{"boundary": int, "upstream": str, "downstream": str, "forward": str, "backward": str,
-                "forward_mbit_s", "backward_mbit_s", "forward_reason": str, "backward_reason": str}]}
+                "forward_mbit_s", "backward_mbit_s", "forward_reason": str, "backward_reason": str,
+                "backward_error_feedback": bool}]}
 
 ``excluded`` lists peers the coordinator dropped from the plan for the rest of the run (a neighbour
 quarantined them for implausible activations or gradients) and why. ``links`` are the current plan's links
 (``boundary`` i: stage i -> i + 1) with the codec each direction sends, the measured Mbit/s it was chosen
-from and why (``coordinator/wire_choice.py``).
+from and why (``coordinator/wire_choice.py``), and whether its gradients carry error feedback.
 
 Unknown numbers are ``null`` (never NaN). ``step`` counts completed optimizer steps.
 """
@@ -130,6 +131,7 @@ class LinkStatus:
     backward_mbit_s: float | None = None
     forward_reason: str = ""
     backward_reason: str = ""
+    backward_error_feedback: bool = False  # its gradients carry a residual (``--error-feedback-backward``)
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ class SwarmStatus:
                     backward_mbit_s=x.num("backward_mbit_s"),
                     forward_reason=x.text("forward_reason", default=""),
                     backward_reason=x.text("backward_reason", default=""),
+                    backward_error_feedback=x.flag("backward_error_feedback", default=False),
                 )
                 for x in r.subs("links", MAX_LIST)
             ),

@@ -127,7 +127,7 @@ def links_table(status: SwarmStatus) -> Table:
             f"{x.upstream} -> {x.downstream}",
             x.forward,
             _fmt(x.forward_mbit_s, ".1f"),
-            x.backward,
+            f"{x.backward} + error feedback" if x.backward_error_feedback else x.backward,
             _fmt(x.backward_mbit_s, ".1f"),
             why,
         )

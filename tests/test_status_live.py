@@ -77,6 +77,8 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
             "1",
             "--metrics-port",
             "0",
+            "--error-feedback-backward",  # int8 gradients carry none under the default auto: shown per link
+            "on",
         )
     )
     try:
@@ -111,6 +113,7 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
         assert set(blocks) == assigned and blocks[0][0] == 0 and blocks[-1][1] == 3, (blocks, assigned)
         assert blocks[0][1] == blocks[1][0] and all(b["covered"] and b["replicas"] == 1 for b in status["blocks"])
         assert {tuple(p["block"]) for p in status["peers"]} == assigned, status["peers"]
+        assert [(x["backward"], x["backward_error_feedback"]) for x in status["links"]] == [("int8", True)]
         table = subprocess.run(
             ravn_cmd("status", "--coordinator", target),
             cwd=ROOT,
@@ -120,6 +123,7 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path: Path) -> None:
             env={**auth_env, "COLUMNS": "160"},
         )
         assert re.search(r"healthy|degraded", table.stdout) and "peer-0" in table.stdout, table.stdout + table.stderr
+        assert "int8 + error feedback" in table.stdout, table.stdout
         screen = watch_in_a_terminal(
             ravn_cmd("status", "--coordinator", target, "--watch", "--interval", "1"), auth_env, seconds=60
         )

@@ -336,6 +336,7 @@ def test_links_show_each_links_codecs_next_to_the_stages_and_round_trip() -> Non
         "backward_mbit_s": 940.5,
         "forward_reason": "smallest: link-bound",
         "backward_reason": "fits the bottleneck",
+        "backward_error_feedback": False,
     }
     assert SwarmStatus.from_dict(d) == s
     console = Console(record=True, width=160, color_system=None)
@@ -345,3 +346,21 @@ def test_links_show_each_links_codecs_next_to_the_stages_and_round_trip() -> Non
     assert "0 [0,2) -> 1 [2,4)" in rows[0] and "p0 -> p1" in rows[0] and "int4_rot" in rows[0]
     assert "10.0" in rows[0] and "smallest: link-bound; fits the bottleneck" in rows[0]
     assert "1 [2,4) -> 2 [4,6)" in rows[1] and rows[1].count("bf16") == 2 and "fits the bottleneck" in rows[1]
+
+
+def test_a_links_error_feedback_shows_beside_its_backward_codec_and_round_trips() -> None:
+    """``--error-feedback-backward`` is decided per link: ``ravn status`` says which links carry it."""
+    links = (
+        LinkStatus(0, "p0", "p1", "int3_rot", "int3_rot", backward_error_feedback=True),
+        LinkStatus(1, "p1", "p2", "bf16", "bf16"),
+    )
+    s = replace(healthy(), links=links)
+    d = json.loads(json.dumps(status_json(s), allow_nan=False))
+    assert [x["backward_error_feedback"] for x in d["links"]] == [True, False]
+    assert SwarmStatus.from_dict(d) == s
+    del d["links"][0]["backward_error_feedback"]  # a coordinator from before the field: no feedback shown
+    assert SwarmStatus.from_dict(d).links[0].backward_error_feedback is False
+    console = Console(record=True, width=160, color_system=None)
+    render(s, console)
+    rows = [line for line in console.export_text().splitlines() if "->" in line and "│" in line]
+    assert "int3_rot + error feedback" in rows[0] and "error feedback" not in rows[1], rows
