@@ -267,7 +267,9 @@ class SwarmRun:
                     flow.started = True  # a peer came back without its block: restart all from a checkpoint
                     raise RunFailed("not every peer re-attached with its block")
                 await flow.wait(flow.ready, s.ready_timeout, "every peer to load its block")
-                first = next(x for x in sessions.peers.values() if x.stage == 0)
+                first = sessions.first()
+                if first is None:  # its session ended after it was ready
+                    raise RunFailed("no peer holds stage 0 (the data source) to start training")
                 start = cpb.Start(first_step=first_step, num_steps=s.train.steps - first_step)
                 first.commands.put_nowait(cpb.Command(start=start))
                 flow.incident_ends_at_step = bool(flow.incident)
@@ -298,7 +300,9 @@ class SwarmRun:
         )
 
     async def _stop_after_step(self, timeout: float = 30.0) -> None:
-        first = next(s for s in self.sessions.peers.values() if s.stage == 0)
+        first = self.sessions.first()
+        if first is None:  # no data source left: no step is running
+            return
         first.commands.put_nowait(cpb.Command(stop_training=cpb.StopTraining()))
         try:
             await asyncio.wait_for(self.flow.finished.wait(), timeout)
