@@ -78,6 +78,7 @@ SYSTEMS = (
     ),
     System("Ravn int4_rot/int4_rot (default until zstd)", "ravn", "sync int4_rot/int4_rot", "int4_rot/int4_rot"),
     System("Ravn int4_rot/int8 (default until 2026-12-02)", "ravn", "sync int4_rot/int8", "int4_rot/int8"),
+    System("Ravn lowrank/int3_rot + zstd (opt-in)", "ravn", "sync lowrank/int3_rot zstd", "lowrank/int3_rot"),
     System("Ravn int8/int8 (default on 2026-12-01)", "ravn", "sync int8/int8", "int8/int8"),
 )
 BASELINES = ("torch GPipe fp32", "torch GPipe bf16")
@@ -124,7 +125,8 @@ def steps_to_target(results: list[dict]) -> dict[str, dict]:
                     f"benchmark with an --eval-every that divides {at + 1}"
                 )
             per_seed[seed] = {"target": target, "steps": crossing_step(run["evals"], target)}
-        out[pair] = {"per_seed": per_seed, "run_steps": by[("fp32/fp32", seeds[0])]["steps"]}
+        feedback = next(r["feedback"] for (p, _), r in by.items() if p == pair)
+        out[pair] = {"per_seed": per_seed, "run_steps": by[("fp32/fp32", seeds[0])]["steps"], "feedback": feedback}
     return out
 
 
@@ -134,9 +136,11 @@ def load_convergence(path: Path) -> tuple[list[dict], Path]:
     return json.loads(path.read_text()), path.parent / "convergence-runs"
 
 
-def train_losses(runs_dir: Path, pair: str, seed: int, model: str) -> list[float]:
-    """Per-step training losses of one sync convergence run (error feedback off), from its ``metrics.jsonl``."""
-    feedback = "off" if pair.split("/")[1] in LOSSY else ""
+def train_losses(runs_dir: Path, pair: str, seed: int, model: str, feedback: str | None = None) -> list[float]:
+    """Per-step training losses of one sync convergence run, from its ``metrics.jsonl``; ``feedback``: its
+    ``--error-feedback-backward`` (None: ``off`` where the backward codec is lossy, as before ``auto``)."""
+    if feedback is None:
+        feedback = "off" if pair.split("/")[1] in LOSSY else ""
     metrics = runs_dir / Variant(pair, feedback).run_name(model, seed) / "metrics.jsonl"
     if not metrics.exists():
         return []
@@ -280,7 +284,8 @@ def report(records: list[RunRecord], targets: dict[str, dict], meta: dict, runs_
     lines += ["Training losses of the lab runs (seed 0) against the loss runs' first steps:", ""]
     for r in records:
         sys_ = next(s for s in SYSTEMS if s.mode == r.mode)
-        ref = train_losses(runs_dir, sys_.pair, 0, workload.model) if runs_dir else []
+        feedback = targets.get(sys_.pair, {}).get("feedback")
+        ref = train_losses(runs_dir, sys_.pair, 0, workload.model, feedback) if runs_dir else []
         n = min(len(ref), len(r.step_losses))
         if n:
             pairs = list(zip(ref[:n], r.step_losses[:n], strict=True))
