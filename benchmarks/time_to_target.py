@@ -21,7 +21,7 @@ this 2-core machine's compute (or, for GPipe, which does not overlap sending wit
 two in series), and the table says "compute".
 
     python -m benchmarks.convergence --model gpt-medium --steps 300 --eval-every 10 --seeds 0 1 2 \\
-        --pairs fp32/fp32 int8/int8 int4_rot/int8 bf16/bf16 int4_rot/int4_rot --jobs 2 --out benchmarks/out/ttt
+        --pairs fp32/fp32 bf16/bf16 int3_rot/int3_rot lowrank/int3_rot --jobs 2 --out benchmarks/out/ttt
     python -m benchmarks.time_to_target --convergence benchmarks/out/ttt   # the lab part (~15 min)
     python -m benchmarks.time_to_target --convergence benchmarks/out/ttt --from-json benchmarks/out/time_to_target.json
 
