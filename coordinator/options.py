@@ -16,7 +16,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from coordinator.wire_defaults import NEEDS_ZSTD, WIRE_CHOICES, WIRE_DEFAULT_HELP, default_wire
+from coordinator.wire_defaults import NEEDS_ZSTD, PLAIN_SIZE_OF, WIRE_CHOICES, WIRE_DEFAULT_HELP, default_wire
 from swarm.config import (
     BASE_QUANTS,
     DEFAULT_GRAD_CLIP,
@@ -134,7 +134,8 @@ class RunOptions:
         wire_forward, wire_backward = self.wire()
         for codec in {wire_forward, wire_backward} & NEEDS_ZSTD:
             if not self.wire_zstd:
-                config_error(f"codec {codec} pays only zstd-coded (plain, it is int4_rot's size); drop --wire-zstd off")
+                plain = PLAIN_SIZE_OF[codec]
+                config_error(f"codec {codec} pays only zstd-coded (plain, it is {plain}'s size); drop --wire-zstd off")
         return TrainConfig(
             steps=self.steps,
             micro_batches=self.micro_batches,
@@ -266,16 +267,17 @@ def _train_params(
             "peer (error feedback); 'off': every gradient is quantised on its own; 'auto': on for gradients sent "
             "int3_rot (the default from width 256; with --wire-backward auto, on the links that pick it; at the "
             "default recipe error feedback took its loss cost on gpt-medium from +3.2% to +2.0%, "
-            "docs/BENCHMARKS.md), off otherwise (no measured gain).",
+            "docs/BENCHMARKS.md), ecsq or lowrank (which round or drop the same small parts every time), off "
+            "otherwise (no measured gain).",
             callback=lambda v: _check_choice(v, FEEDBACK_MODES, "setting"),
         ),
     ] = "auto",
     wire_zstd: Annotated[
         str,
         typer.Option(
-            help="'on': 3- and 4-bit codes (int4, int4_rot, int3_rot) travel zstd-coded, losslessly: on gpt-medium "
-            "348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms per micro-batch tensor "
-            "(docs/codecs.md); 'off': as the codec makes them (int3_rot needs 'on', so the default from width "
+            help="'on': 3- and 4-bit codes (int4, int4_rot, int3_rot) and ecsq's travel zstd-coded, losslessly: on "
+            "gpt-medium 348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms per micro-batch tensor "
+            "(docs/codecs.md); 'off': as the codec makes them (int3_rot and ecsq need 'on', so the default from width "
             "256 is then int4_rot).",
             callback=lambda v: _check_choice(v, ON_OFF, "setting"),
         ),

@@ -36,6 +36,7 @@ CODEC_BYTES = {
     "int4": 0.5 + 2 / 64,
     "int4_rot": 0.5 + 2 / 64,
     "int3_rot": 0.5 + 2 / 64,  # plain; zstd-coded 0.31-0.43 of it on gpt-medium (docs/codecs.md), not planned on
+    "ecsq": 1.0,  # plain int8 codes and one step per tensor; zstd-coded ~0.27 of it on gpt-medium's gradients
 }
 # gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py)
 SCALED_CODECS = ("int8", "int4", "int4_rot", "int3_rot")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from swarm.config import WIDE_FROM, WIRE_AUTO
 
-WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "lowrank")
-NEEDS_ZSTD = frozenset({"int3_rot"})  # as plain bytes as large as int4_rot's, and coarser
+WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "lowrank", "ecsq")
+NEEDS_ZSTD = frozenset({"int3_rot", "ecsq"})  # plain, as large as int4_rot's (int8's) and coarser
+PLAIN_SIZE_OF = {"int3_rot": "int4_rot", "ecsq": "int8"}  # what a NEEDS_ZSTD codec sends without zstd
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
 # The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width, the pair
 # with the fewest bytes whose validation loss stays within 2% of fp32 (3 seeds x 300 steps, docs/codecs.md,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 # 8: codec INT3_ROT (a peer of 7 would refuse its packets mid-run instead of at Hello)
 # 9: the scales of zstd-coded tensors may travel coded too (Tensor.scales_compression), as byte planes
 # 10: codec LOWRANK (Tensor.rank, TrainConfig.wire_rank); error feedback 'auto' decided per link
-PROTOCOL_VERSION = 10
+# 11: codec ECSQ (one step per tensor, zstd-coded int8 codes)
+PROTOCOL_VERSION = 11
 SCHEDULES = ("sync", "async")
 DEFAULT_WIRE_RANK = 32  # columns of each factor of the ``lowrank`` codec (``--wire-rank``)
 

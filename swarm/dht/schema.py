@@ -41,7 +41,7 @@ TlsFingerprint = Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64})?$")]  # "
 
 PeerState = Literal["joining", "online", "leaving"]
 # what a link may send floats with
-WireCodec = Literal["fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "lowrank"]
+WireCodec = Literal["fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "lowrank", "ecsq"]
 MAX_LINKS = 1024
 
 

@@ -30,6 +30,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RAW: _ClassVar[Codec]
     INT3_ROT: _ClassVar[Codec]
     LOWRANK: _ClassVar[Codec]
+    ECSQ: _ClassVar[Codec]
 
 class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +55,7 @@ INT4_ROT: Codec
 RAW: Codec
 INT3_ROT: Codec
 LOWRANK: Codec
+ECSQ: Codec
 COMPRESSION_NONE: Compression
 ZSTD: Compression
 ZSTD_PLANES: Compression

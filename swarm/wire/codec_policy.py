@@ -33,7 +33,8 @@ FEEDBACK_MODES = ("auto", "on", "off")
 # gpt-medium from +3.2% to +2.0%; on int8 and int4_rot gradients it gained nothing (docs/BENCHMARKS.md).
 # lowrank drops the same small directions of every gradient, the bias it exists for; measured only with it,
 # where lowrank gradients still cost +2.35% (docs/codecs.md, "Low rank": send gradients int3_rot).
-FEEDBACK_AUTO_CODECS = frozenset({"int3_rot", "lowrank"})
+# ecsq rounds the same small values to 0 on every gradient, int3_rot's bias and more (docs/codecs.md, "ecsq").
+FEEDBACK_AUTO_CODECS = frozenset({"int3_rot", "lowrank", "ecsq"})
 
 
 def feeds_back(mode: str, codec: str) -> bool:
@@ -56,7 +57,7 @@ class WirePolicy:
     _small: dict[str, bool] = field(default_factory=dict)  # destination -> its last gradient had fp32 scales
 
     def _options(self, codec: str, mb: pb.MicroBatch) -> dict:
-        if codec not in LOSSY:
+        if codec not in LOSSY or codec == "ecsq":  # ecsq has no blocks, seed or rank
             return {}
         return {"block_size": self.block_size, "seed": mb.id, **({"rank": self.rank} if codec == "lowrank" else {})}
 

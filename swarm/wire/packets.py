@@ -43,6 +43,7 @@ _CODEC_TO_PB = {
     "int3_rot": pb.INT3_ROT,
     "raw": pb.RAW,
     "lowrank": pb.LOWRANK,
+    "ecsq": pb.ECSQ,
 }
 _PB_TO_CODEC = {v: k for k, v in _CODEC_TO_PB.items()}
 
@@ -78,7 +79,7 @@ def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor
     """The wire Tensor of ``enc``; ``zstd``: a 4-bit codec's payload and scales go zstd-coded (lossless)."""
     coded = zstd and entropy.worth_coding(enc.codec)
     scales = None
-    if coded:
+    if coded and enc.block_size:  # ecsq's one step travels as it is
         scales = entropy.compress_planes(enc.scales, num_blocks(codecs.numel_of(enc.shape), enc.block_size))
     return pb.Tensor(
         shape=list(enc.shape),
@@ -112,7 +113,7 @@ def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: i
         raise WireError(f"unknown compression id {msg.compression}")
     n = _coded_numel(codec, shape, max_elements)
     try:
-        return entropy.decompress(msg.payload, payload_nbytes(n, 4))  # every coded codec is 4-bit
+        return entropy.decompress(msg.payload, n if codec == "ecsq" else payload_nbytes(n, 4))  # the rest: 4-bit
     except entropy.EntropyError as e:
         raise WireError(str(e)) from e
 
@@ -125,6 +126,8 @@ def _scales(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: in
         raise WireError(f"unknown compression id {msg.scales_compression} for the scales")
     if msg.compression != pb.ZSTD:
         raise WireError("coded scales of a payload that is not zstd-coded")
+    if codec == "ecsq":
+        raise WireError("codec ecsq's step travels plain, never as coded byte planes")
     n = _coded_numel(codec, shape, max_elements)
     try:
         codecs.check_block_size(codec, msg.block_size)  # before num_blocks divides by it
