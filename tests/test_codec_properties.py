@@ -108,7 +108,10 @@ def test_nan_or_negative_scales_refused(codec, value):
 
 
 @FAST
-@given(name=st.text(min_size=0, max_size=12).filter(lambda s: s not in CODEC_NAMES), pb_id=st.integers(10, 2**31 - 1))
+@given(
+    name=st.text(min_size=0, max_size=12).filter(lambda s: s not in CODEC_NAMES),
+    pb_id=st.integers(max(pb.Codec.values()) + 1, 2**31 - 1),
+)
 def test_unknown_codec_names_and_ids_refused(name, pb_id):
     with pytest.raises(CodecError, match="unknown codec"):
         decode(dataclasses.replace(_valid("int8"), codec=name))

@@ -391,6 +391,9 @@ def test_every_codec_encodes_what_sanity_admits(codec, kind):
         assert_within_bound(x, enc, y)
     elif codec == "lowrank":  # 4 rows: rank 4 holds the whole matrix, up to the int8 factors
         assert float((y - x).norm() / x.norm()) < 0.02
+    elif codec == "ecsq":  # every value within half a step (the step is at most absmax / 127 * 1.15 here)
+        step = float(torch.frombuffer(bytearray(enc.scales), dtype=torch.float32)[0])
+        assert float((y - x).abs().max()) <= step / 2 * (1 + ARITH)
     else:
         assert float((y - x).abs().max()) <= top * OUT_EPS[_STORAGE[codec]]
 
