@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PAIRS = ["fp32/fp32", "fp16/fp16", "int8/int8", "int4/int8", "int4_rot/int8", "int4/int4", "int4_rot/int4_rot"]
-LOSSY = {"int8", "int4", "int4_rot", "int3_rot"}
+LOSSY = {"int8", "int4", "int4_rot", "int3_rot", "lowrank", "ecsq"}  # swarm.wire.codecs.LOSSY_CODECS, without torch
 
 
 @dataclass(frozen=True)
