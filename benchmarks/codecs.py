@@ -9,8 +9,8 @@ the code can do), with ``torch.set_num_threads(1)`` because a volunteer PC spend
 the model. ``enc+dec GB/s`` is ``numel * 4 / (t_encode + t_decode)``, the figure the target of issue
 #19 is stated in (>= 2 GB/s); rows that meet it are marked.
 
-``int4_rot+zstd`` and ``int3_rot+zstd`` are those codecs as the wire sends them by default on wide models
-(``--wire-zstd on``): encode plus the lossless zstd coding of codes and scales into the wire message
+``int4_rot+zstd``, ``int3_rot+zstd`` and ``ecsq+zstd`` are those codecs as the wire sends them (``--wire-zstd on``,
+the default): encode plus the lossless zstd coding of codes and scales into the wire message
 (``encoded_to_pb``), and back (``tensor_from_pb``), so they include protobuf's copy of the payload. How much
 zstd takes off depends on the data: these synthetic tensors compress less than trained boundaries do.
 
@@ -41,7 +41,10 @@ import torch
 from swarm.wire.codecs import decode, encode
 from swarm.wire.packets import encoded_to_pb, tensor_from_pb
 
-CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "int4_rot+zstd", "int3_rot+zstd")
+CODECS = (
+    *("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "ecsq"),
+    *("int4_rot+zstd", "int3_rot+zstd", "ecsq+zstd"),
+)
 TARGET_GBS = 2.0  # encode + decode, GB/s of float32 input (issue #19)
 OUT_DIR = Path(__file__).resolve().parent / "out"
 

@@ -50,6 +50,7 @@ RAVN_BF16 = ("--wire-forward", "bf16", "--wire-backward", "bf16")
 RAVN_INT4 = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", *RAVN_PLAIN)  # docs/codecs.md
 RAVN_INT4_ZSTD = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", "--wire-zstd", "on")  # the defaults
 RAVN_INT3_ZSTD = ("--wire-forward", "int3_rot", "--wire-backward", "int3_rot", "--wire-zstd", "on")  # docs/codecs.md
+RAVN_ECSQ = ("--wire-forward", "int3_rot", "--wire-backward", "ecsq", "--wire-zstd", "on")  # the wide default
 # opt-in: rank-32 factors for activations (docs/codecs.md, "Low rank")
 RAVN_LOWRANK = ("--wire-forward", "lowrank", "--wire-backward", "int3_rot", "--wire-zstd", "on")
 RAVN_MODES: dict[str, tuple[str, ...]] = {
@@ -62,6 +63,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync int4_rot/int4_rot": RAVN_SYNC + RAVN_INT4,
     "sync int4_rot/int4_rot zstd": RAVN_SYNC + RAVN_INT4_ZSTD,
     "sync int3_rot/int3_rot zstd": RAVN_SYNC + RAVN_INT3_ZSTD,
+    "sync int3_rot/ecsq zstd": RAVN_SYNC + RAVN_ECSQ,
     "sync lowrank/int3_rot zstd": RAVN_SYNC + RAVN_LOWRANK,
     "async int3_rot/int3_rot zstd": RAVN_ASYNC + RAVN_INT3_ZSTD,
     # before the measured window: all that S = 1 allows in flight, (S + 1) x the workload's 8 micro-batches

@@ -21,7 +21,7 @@ this 2-core machine's compute (or, for GPipe, which does not overlap sending wit
 two in series), and the table says "compute".
 
     python -m benchmarks.convergence --model gpt-medium --steps 300 --eval-every 10 --seeds 0 1 2 \\
-        --pairs fp32/fp32 bf16/bf16 int3_rot/int3_rot lowrank/int3_rot --jobs 2 --out benchmarks/out/ttt
+        --pairs fp32/fp32 bf16/bf16 int3_rot/ecsq int3_rot/int3_rot --jobs 2 --out benchmarks/out/ttt
     python -m benchmarks.time_to_target --convergence benchmarks/out/ttt   # the lab part (~15 min)
     python -m benchmarks.time_to_target --convergence benchmarks/out/ttt --from-json benchmarks/out/time_to_target.json
 
@@ -69,7 +69,13 @@ SYSTEMS = (
     System("torch GPipe fp32", "torch", "GPipe fp32", "fp32/fp32"),
     System("torch GPipe bf16", "torch", "GPipe bf16", "bf16/bf16"),
     # zstd coding is lossless: the same loss curve as the plain pair, fewer bytes on the wire
-    System("Ravn int3_rot/int3_rot + zstd (default)", "ravn", "sync int3_rot/int3_rot zstd", "int3_rot/int3_rot"),
+    System("Ravn int3_rot/ecsq + zstd (default)", "ravn", "sync int3_rot/ecsq zstd", "int3_rot/ecsq"),
+    System(
+        "Ravn int3_rot/int3_rot + zstd (default until 2026-12-05)",
+        "ravn",
+        "sync int3_rot/int3_rot zstd",
+        "int3_rot/int3_rot",
+    ),
     System(
         "Ravn int4_rot/int4_rot + zstd (default until 2026-12-03)",
         "ravn",
