@@ -16,7 +16,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from coordinator.wire_defaults import NEEDS_ZSTD, PLAIN_SIZE_OF, WIRE_CHOICES, WIRE_DEFAULT_HELP, default_wire
+from coordinator.wire_defaults import NEEDS_ZSTD, PLAIN_SIZE_OF, WIRE_CHOICES, default_help, default_wire
 from swarm.config import (
     BASE_QUANTS,
     DEFAULT_GRAD_CLIP,
@@ -246,7 +246,7 @@ def _train_params(
         str | None,
         typer.Option(
             help=f"Codec for activations: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth; "
-            f"{WIRE_DEFAULT_HELP}).",
+            f"{default_help(0)}).",
             callback=lambda v: v if v is None else _check_choice(v, WIRE_CHOICES, "codec"),
             show_default=False,
         ),
@@ -255,7 +255,7 @@ def _train_params(
         str | None,
         typer.Option(
             help=f"Codec for gradients: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth; "
-            f"{WIRE_DEFAULT_HELP}).",
+            f"{default_help(1)}).",
             callback=lambda v: v if v is None else _check_choice(v, WIRE_CHOICES, "codec"),
             show_default=False,
         ),

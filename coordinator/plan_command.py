@@ -27,7 +27,7 @@ from coordinator.placement import NoFit, PlacementError, place
 from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
 from coordinator.wire_choice import choose_links
-from coordinator.wire_defaults import WIRE_DEFAULT_HELP, default_wire
+from coordinator.wire_defaults import default_help, default_wire
 from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig, backward_ladder, forward_ladder
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches
@@ -303,14 +303,14 @@ def plan(
     wire_forward: Annotated[
         str | None,
         typer.Option(
-            help=f"Wire codec of activations, or auto (chosen per link); {WIRE_DEFAULT_HELP}, as in ravn local.",
+            help=f"Wire codec of activations, or auto (chosen per link); {default_help(0)}, as in ravn local.",
             show_default=False,
         ),
     ] = None,
     wire_backward: Annotated[
         str | None,
         typer.Option(
-            help=f"Wire codec of gradients, or auto (chosen per link); {WIRE_DEFAULT_HELP}, as in ravn local.",
+            help=f"Wire codec of gradients, or auto (chosen per link); {default_help(1)}, as in ravn local.",
             show_default=False,
         ),
     ] = None,

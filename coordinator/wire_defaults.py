@@ -19,10 +19,12 @@ WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its mea
 # +2.4% (int4_rot/int8) and +3.2% (int4_rot/int4_rot), int8/int8 -0.49% with a flat last third
 # (int8/int4_rot +0.41%, but its gap grew). Wider models (every Hugging Face checkpoint) take the wide
 # pair: measured at 256, not beyond. Those figures are the old recipe's (lr 3e-3, unclipped); at today's
-# (lr 1.5e-3, clip 1) int3_rot/int3_rot costs +1.97% with error feedback on its gradients, at 14.8x
-# (docs/BENCHMARKS.md, "The default recipe"), and lowrank forward / int3_rot backward +1.23% (docs/codecs.md,
-# "Low rank"; opt-in: measured on gpt-medium only, whose hidden states are nearly rank 32).
-DEFAULT_WIRE_WIDE = ("int3_rot", "int3_rot")
+# (lr 1.5e-3, clip 1) int3_rot/int3_rot costs +1.97% with error feedback on its gradients, at 14.8x, its gap
+# growing (docs/BENCHMARKS.md, "The default recipe"), and lowrank forward / int3_rot backward +1.23% (docs/codecs.md,
+# "Low rank"; opt-in: measured on gpt-medium only, whose hidden states are nearly rank 32). Since 2026-12-05 the
+# wide default sends gradients ecsq (one step per tensor, error feedback on): +0.85% at the same 14.8x, its gap
+# not growing, every seed below int3_rot gradients' (docs/codecs.md, "ecsq").
+DEFAULT_WIRE_WIDE = ("int3_rot", "ecsq")
 DEFAULT_WIRE_WIDE_PLAIN = ("int4_rot", "int4_rot")
 DEFAULT_WIRE_NARROW = ("int8", "int8")
 
@@ -30,14 +32,18 @@ DEFAULT_WIRE_NARROW = ("int8", "int8")
 def default_wire(d_model: int, zstd: bool = True) -> tuple[str, str]:
     """(forward, backward) codecs of a run that names none, for a model ``d_model`` wide.
 
-    ``zstd``: whether the run codes 3- and 4-bit payloads (``--wire-zstd``); int3_rot pays only so.
+    ``zstd``: whether the run codes 3- and 4-bit payloads and ecsq's (``--wire-zstd``); int3_rot and ecsq pay
+    only so.
     """
     if d_model < WIDE_FROM:
         return DEFAULT_WIRE_NARROW
     return DEFAULT_WIRE_WIDE if zstd else DEFAULT_WIRE_WIDE_PLAIN
 
 
-WIRE_DEFAULT_HELP = (
-    f"default: {DEFAULT_WIRE_WIDE[0]} for models {WIDE_FROM} or more wide ({DEFAULT_WIRE_WIDE_PLAIN[0]} with "
-    f"--wire-zstd off), {DEFAULT_WIRE_NARROW[0]} for narrower ones"
-)
+def default_help(direction: int) -> str:
+    """The default of ``--wire-forward`` (``direction`` 0) or ``--wire-backward`` (1), as help text."""
+    return (
+        f"default: {DEFAULT_WIRE_WIDE[direction]} for models {WIDE_FROM} or more wide "
+        f"({DEFAULT_WIRE_WIDE_PLAIN[direction]} with --wire-zstd off), "
+        f"{DEFAULT_WIRE_NARROW[direction]} for narrower ones"
+    )

@@ -1,7 +1,7 @@
 """The default wire codecs follow the model's width: 3- or 4-bit from width 256, int8 on narrower models.
 
-Measured (docs/codecs.md, "Which pair is the default" and "int3_rot"): at width 256 (gpt-medium)
-int3_rot/int3_rot zstd-coded and int4_rot/int4_rot stay within 2% of fp32; at width 128 (gpt-small,
+Measured (docs/codecs.md, "Which pair is the default", "int3_rot" and "ecsq"): at width 256 (gpt-medium)
+int3_rot/ecsq zstd-coded and int4_rot/int4_rot stay within 2% of fp32; at width 128 (gpt-small,
 ravn local's default model) 4-bit activations cost 2.4-3.2% and int8/int8 stays within 2%. ``ravn local``,
 ``ravn-coordinator serve`` and ``ravn plan`` apply the same rule; a codec the user names is kept as given.
 """
@@ -40,9 +40,9 @@ def chosen(*args: str) -> tuple[str, str]:
 def test_the_rule() -> None:
     assert default_wire(128) == DEFAULT_WIRE_NARROW == ("int8", "int8")
     assert default_wire(255) == DEFAULT_WIRE_NARROW
-    assert default_wire(256) == DEFAULT_WIRE_WIDE == ("int3_rot", "int3_rot")
+    assert default_wire(256) == DEFAULT_WIRE_WIDE == ("int3_rot", "ecsq")
     assert default_wire(8192) == DEFAULT_WIRE_WIDE
-    # int3_rot pays only zstd-coded: without it the wide default is int4_rot, and narrow models keep int8
+    # int3_rot and ecsq pay only zstd-coded: without it the wide default is int4_rot, and narrow models keep int8
     assert default_wire(256, zstd=False) == DEFAULT_WIRE_WIDE_PLAIN == ("int4_rot", "int4_rot")
     assert default_wire(128, zstd=False) == DEFAULT_WIRE_NARROW
 
@@ -50,10 +50,11 @@ def test_the_rule() -> None:
 def test_runs_take_the_default_of_their_model_and_keep_what_the_user_names() -> None:
     assert MODEL_PRESETS["gpt-small"].d_model == 128 and MODEL_PRESETS["gpt-medium"].d_model == 256
     assert chosen() == ("int8", "int8")  # gpt-small, ravn local's default model
-    assert chosen("--model", "gpt-medium") == ("int3_rot", "int3_rot")
+    assert chosen("--model", "gpt-medium") == ("int3_rot", "ecsq")
     assert chosen("--model", "gpt-medium", "--wire-zstd", "off") == ("int4_rot", "int4_rot")
     assert chosen("--wire-forward", "bf16") == ("bf16", "int8")
     assert chosen("--model", "gpt-medium", "--wire-backward", "int8") == ("int3_rot", "int8")
+    assert chosen("--model", "gpt-medium", "--wire-forward", "lowrank") == ("lowrank", "ecsq")
     assert chosen("--wire-forward", "auto", "--wire-backward", "fp32") == ("auto", "fp32")
 
 
