@@ -53,6 +53,7 @@ RAVN_INT3_ZSTD = ("--wire-forward", "int3_rot", "--wire-backward", "int3_rot", "
 RAVN_ECSQ = ("--wire-forward", "int3_rot", "--wire-backward", "ecsq", "--wire-zstd", "on")  # the wide default
 # opt-in: rank-32 factors for activations (docs/codecs.md, "Low rank")
 RAVN_LOWRANK = ("--wire-forward", "lowrank", "--wire-backward", "int3_rot", "--wire-zstd", "on")
+RAVN_LOWRANK_ECSQ = ("--wire-forward", "lowrank", "--wire-backward", "ecsq", "--wire-zstd", "on")
 RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync fp32": RAVN_SYNC + RAVN_FP32,
     "async fp32": RAVN_ASYNC + RAVN_FP32,
@@ -65,6 +66,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync int3_rot/int3_rot zstd": RAVN_SYNC + RAVN_INT3_ZSTD,
     "sync int3_rot/ecsq zstd": RAVN_SYNC + RAVN_ECSQ,
     "sync lowrank/int3_rot zstd": RAVN_SYNC + RAVN_LOWRANK,
+    "sync lowrank/ecsq zstd": RAVN_SYNC + RAVN_LOWRANK_ECSQ,
     "async int3_rot/int3_rot zstd": RAVN_ASYNC + RAVN_INT3_ZSTD,
     # before the measured window: all that S = 1 allows in flight, (S + 1) x the workload's 8 micro-batches
     "async int3_rot/int3_rot zstd in-flight 16": RAVN_ASYNC + ("--max-in-flight", "16") + RAVN_INT3_ZSTD,

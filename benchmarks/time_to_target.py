@@ -85,6 +85,7 @@ SYSTEMS = (
     System("Ravn int4_rot/int4_rot (default until zstd)", "ravn", "sync int4_rot/int4_rot", "int4_rot/int4_rot"),
     System("Ravn int4_rot/int8 (default until 2026-12-02)", "ravn", "sync int4_rot/int8", "int4_rot/int8"),
     System("Ravn lowrank/int3_rot + zstd (opt-in)", "ravn", "sync lowrank/int3_rot zstd", "lowrank/int3_rot"),
+    System("Ravn lowrank/ecsq + zstd (opt-in)", "ravn", "sync lowrank/ecsq zstd", "lowrank/ecsq"),
     System("Ravn int8/int8 (default on 2026-12-01)", "ravn", "sync int8/int8", "int8/int8"),
 )
 BASELINES = ("torch GPipe fp32", "torch GPipe bf16")
