@@ -7,6 +7,9 @@ from swarm.config import WIDE_FROM, WIRE_AUTO
 
 WIRE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "lowrank", "ecsq")
 NEEDS_ZSTD = frozenset({"int3_rot", "ecsq"})  # plain, as large as int4_rot's (int8's) and coarser
+# Without error feedback ecsq rounds a small token's whole gradient to 0 every time: gpt-medium trained 12% worse
+# by step 180 (docs/codecs.md, "ecsq"), so a run that sends it must carry its residual.
+NEEDS_FEEDBACK = frozenset({"ecsq"})
 PLAIN_SIZE_OF = {"int3_rot": "int4_rot", "ecsq": "int8"}  # what a NEEDS_ZSTD codec sends without zstd
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
 # The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width, the pair

@@ -70,18 +70,20 @@ def test_async_with_zero_staleness_is_the_sync_recipe_with_default_flags() -> No
 
 
 def test_the_default_recipe_is_the_measured_one() -> None:
-    """docs/BENCHMARKS.md, "The default recipe": lr 1.5e-3, clipping at 1.0, error feedback on int3_rot gradients."""
+    """docs/BENCHMARKS.md, "The default recipe": lr 1.5e-3, clipping at 1.0, error feedback on the wide default's
+    gradients (ecsq since 2026-12-05, docs/codecs.md "ecsq"; int3_rot before)."""
     small, medium = recipe("--model", "gpt-small"), recipe("--model", "gpt-medium")
     assert small.lr == medium.lr == 1.5e-3 and small.grad_clip == medium.grad_clip == 1.0
 
     def fed_back(cfg: TrainConfig) -> bool:
         return feeds_back(cfg.error_feedback_backward, cfg.wire_backward)
 
-    assert medium.wire_backward == "int3_rot" and fed_back(medium)  # the wide default pays for it
+    assert medium.wire_backward == "ecsq" and fed_back(medium)  # the wide default needs it
     assert small.wire_backward == "int8" and not fed_back(small)  # no measured gain there
     assert fed_back(recipe("--wire-backward", "int3_rot"))  # 'auto' follows the codec given
     assert recipe("--wire-backward", "auto").error_feedback_backward == "auto"  # decided per link by the peers
-    assert not fed_back(recipe("--model", "gpt-medium", "--error-feedback-backward", "off"))
+    no_feedback = ("--error-feedback-backward", "off")
+    assert not fed_back(recipe("--model", "gpt-medium", "--wire-backward", "int3_rot", *no_feedback))
     assert fed_back(recipe("--error-feedback-backward", "on"))
 
 
