@@ -36,11 +36,14 @@ CODEC_BYTES = {
     "int4": 0.5 + 2 / 64,
     "int4_rot": 0.5 + 2 / 64,
     "int3_rot": 0.5 + 2 / 64,  # plain; zstd-coded 0.31-0.43 of it on gpt-medium (docs/codecs.md), not planned on
-    "ecsq": 1.0,  # plain int8 codes and one step per tensor; zstd-coded ~0.27 of it on gpt-medium's gradients
+    # priced as int3_rot: zstd-coded (it travels no other way) it sent what int3_rot sends, on gpt-medium's
+    # gradients with error feedback (docs/codecs.md, "ecsq"); plain it would be int8's size
+    "ecsq": 0.5 + 2 / 64,
 }
 # gradients w.r.t. hidden states are ~1e-7, so integer codecs send them with fp32 scales (swarm/wire/quantize.py)
 SCALED_CODECS = ("int8", "int4", "int4_rot", "int3_rot")
 GRADIENT_CODEC_BYTES = {c: b + (2 / 64 if c in SCALED_CODECS else 0.0) for c, b in CODEC_BYTES.items()}
+GRADIENT_CODEC_BYTES["ecsq"] = GRADIENT_CODEC_BYTES["int3_rot"]
 ACTIVATION_TENSORS_PER_LAYER = 16  # saved tensors of one pre-norm block per token and channel, roughly
 MIN_SPEED = 1e-3
 MIN_BANDWIDTH = 1e3
