@@ -277,10 +277,9 @@ def _train_params(
         typer.Option(
             help="'on': a lossy gradient codec's rounding error is added to the next gradient sent to the same "
             "peer (error feedback); 'off': every gradient is quantised on its own; 'auto': on for gradients sent "
-            "int3_rot (the default from width 256; with --wire-backward auto, on the links that pick it; at the "
-            "default recipe error feedback took its loss cost on gpt-medium from +3.2% to +2.0%, "
-            "docs/BENCHMARKS.md), ecsq or lowrank (which round or drop the same small parts every time), off "
-            "otherwise (no measured gain).",
+            "ecsq (the default from width 256, which needs it), int3_rot (with --wire-backward auto, on the links "
+            "that pick it; at the default recipe error feedback took its loss cost on gpt-medium from +3.2% to "
+            "+2.0%, docs/BENCHMARKS.md) or lowrank, off otherwise (no measured gain).",
             callback=lambda v: _check_choice(v, FEEDBACK_MODES, "setting"),
         ),
     ] = "auto",
