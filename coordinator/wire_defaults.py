@@ -25,8 +25,8 @@ WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its mea
 # (lr 1.5e-3, clip 1) int3_rot/int3_rot costs +1.97% with error feedback on its gradients, at 14.8x, its gap
 # growing (docs/BENCHMARKS.md, "The default recipe"), and lowrank forward / int3_rot backward +1.23% (docs/codecs.md,
 # "Low rank"; opt-in: measured on gpt-medium only, whose hidden states are nearly rank 32). Since 2026-12-05 the
-# wide default sends gradients ecsq (one step per tensor, error feedback on): +0.85% at the same 14.8x, its gap
-# not growing, every seed below int3_rot gradients' (docs/codecs.md, "ecsq").
+# wide default sends gradients ecsq (one step per tensor, error feedback on): +0.57% at the same bytes (5 seeds),
+# every seed below int3_rot gradients' (+1.82%), its gap growing half as fast (docs/codecs.md, "ecsq").
 DEFAULT_WIRE_WIDE = ("int3_rot", "ecsq")
 DEFAULT_WIRE_WIDE_PLAIN = ("int4_rot", "int4_rot")
 DEFAULT_WIRE_NARROW = ("int8", "int8")
