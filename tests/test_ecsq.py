@@ -188,35 +188,30 @@ def test_error_feedback_telescopes_and_is_on_under_auto() -> None:
     assert policy._feedback["up"].residual is not None and policy.sent == {"backward:ecsq": 1}
 
 
-def test_the_command_line_refuses_ecsq_without_zstd(tmp_path: Path) -> None:
-    """Plain, ecsq is int8's size at eight times its error: refused before anything starts."""
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (  # plain, ecsq is int8's size at eight times its error
+            ("--wire-zstd", "off"),
+            "error: codec ecsq pays only zstd-coded (plain, it is int8's size); drop --wire-zstd off",
+        ),
+        (  # without its residual ecsq drops small tokens' gradients every time (+12% by step 180 on gpt-medium)
+            ("--error-feedback-backward", "off"),
+            "error: gradients sent ecsq need error feedback (without it gpt-medium trained 12% worse); "
+            "drop --error-feedback-backward off, or name another --wire-backward",
+        ),
+    ],
+)
+def test_the_command_line_refuses_ecsq_where_it_cannot_pay(tmp_path: Path, flag: tuple[str, str], message: str) -> None:
     proc = subprocess.run(
-        ravn_cmd("local", "--runs-dir", str(tmp_path), "--wire-backward", "ecsq", "--wire-zstd", "off"),
+        ravn_cmd("local", "--runs-dir", str(tmp_path), "--wire-backward", "ecsq", *flag),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "error: codec ecsq pays only zstd-coded (plain, it is int8's size); drop --wire-zstd off"
-    ]
+    assert proc.stderr.strip().splitlines() == [message]
     assert not any(tmp_path.iterdir())  # no run started
-
-
-def test_the_command_line_refuses_ecsq_gradients_without_error_feedback(tmp_path: Path) -> None:
-    """Without its residual ecsq drops small tokens' gradients every time (+12% by step 180 on gpt-medium)."""
-    proc = subprocess.run(
-        ravn_cmd("local", "--runs-dir", str(tmp_path), "--wire-backward", "ecsq", "--error-feedback-backward", "off"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "error: gradients sent ecsq need error feedback (without it gpt-medium trained 12% worse); "
-        "drop --error-feedback-backward off, or name another --wire-backward"
-    ]
-    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow  # three peer processes train a few steps: over 20 s on a shared machine

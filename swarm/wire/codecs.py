@@ -307,9 +307,11 @@ def _decode_lowrank(enc: EncodedTensor, device: torch.device | str | None) -> to
 
 def _encode_ecsq(x: torch.Tensor) -> EncodedTensor:
     flat = x.detach().reshape(-1)
-    if not _all_finite(flat):
+    lo, hi = torch.aminmax(flat) if flat.numel() else (torch.zeros(()), torch.zeros(()))
+    lo, hi = float(lo), float(hi)  # one pass: the finiteness check and the absmax the step needs
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         raise CodecError("tensor contains NaN or Inf, which codec ecsq cannot represent")
-    step = ecsq.step_of(flat)
+    step = ecsq.step_of(flat, max(-lo, hi))
     if step > ecsq.MAX_STEP:
         raise CodecError(f"values too large for codec ecsq (step {step:.3g} > {ecsq.MAX_STEP:.3g})")
     data, view = bytes_out.new_bytes(flat.numel()) if flat.is_cpu else (b"", None)

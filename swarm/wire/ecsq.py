@@ -32,12 +32,10 @@ MIN_STEP = torch.finfo(torch.float32).tiny  # a tensor of subnormal values decod
 MAX_STEP = torch.finfo(torch.float32).max / 128  # any int8 code times the step stays finite
 
 
-def step_of(flat: torch.Tensor) -> float:
-    """The quantisation step of a finite, flat float tensor (0 for an empty or all-zero one)."""
-    if not flat.numel():
-        return 0.0
-    absmax = float(flat.abs().amax())
-    if absmax == 0.0:
+def step_of(flat: torch.Tensor, absmax: float) -> float:
+    """The quantisation step of a finite, flat float tensor whose largest magnitude is ``absmax`` (0 for an
+    empty or all-zero one)."""
+    if not flat.numel() or absmax == 0.0:
         return 0.0
     rms = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) / math.sqrt(flat.numel())
     step = max(STEP_PER_RMS * rms, absmax / LEVEL, MIN_STEP)
