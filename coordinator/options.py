@@ -142,7 +142,9 @@ class RunOptions:
         for codec in {wire_forward, wire_backward} & NEEDS_ZSTD:
             if not self.wire_zstd:
                 plain = PLAIN_SIZE_OF[codec]
-                config_error(f"codec {codec} pays only zstd-coded (plain, it is {plain}'s size); drop --wire-zstd off")
+                config_error(
+                    f"codec {codec} pays only entropy-coded (plain, it is {plain}'s size); drop --wire-zstd off"
+                )
         if wire_backward in NEEDS_FEEDBACK and self.error_feedback_backward == "off":
             config_error(
                 f"gradients sent {wire_backward} need error feedback (without it gpt-medium trained 12% worse); "
@@ -286,10 +288,10 @@ def _train_params(
     wire_zstd: Annotated[
         str,
         typer.Option(
-            help="'on': 3- and 4-bit codes (int4, int4_rot, int3_rot) and ecsq's travel zstd-coded, losslessly: on "
-            "gpt-medium 348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms per micro-batch tensor "
-            "(docs/codecs.md); 'off': as the codec makes them (int3_rot and ecsq need 'on', so the default from width "
-            "256 is then int4_rot).",
+            help="'on': 3- and 4-bit codes (int4, int4_rot, int3_rot) travel zstd-coded and ecsq's range-coded "
+            "by rows, losslessly: on gpt-medium 348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms "
+            "per micro-batch tensor (docs/codecs.md); 'off': as the codec makes them (int3_rot and ecsq need 'on', "
+            "so the default from width 256 is then int4_rot).",
             callback=lambda v: _check_choice(v, ON_OFF, "setting"),
         ),
     ] = "on",

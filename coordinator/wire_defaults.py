@@ -35,8 +35,8 @@ DEFAULT_WIRE_NARROW = ("int8", "int8")
 def default_wire(d_model: int, zstd: bool = True) -> tuple[str, str]:
     """(forward, backward) codecs of a run that names none, for a model ``d_model`` wide.
 
-    ``zstd``: whether the run codes 3- and 4-bit payloads and ecsq's (``--wire-zstd``); int3_rot and ecsq pay
-    only so.
+    ``zstd``: whether the run codes 3- and 4-bit payloads (zstd) and ecsq's (by rows) losslessly
+    (``--wire-zstd``); int3_rot and ecsq pay only so.
     """
     if d_model < WIDE_FROM:
         return DEFAULT_WIRE_NARROW

@@ -1,4 +1,4 @@
-"""Codec ``ecsq``: one quantisation step per tensor, int8 codes, zstd-coded on the wire (swarm/wire/ecsq.py)."""
+"""Codec ``ecsq``: one quantisation step per tensor, int8 codes, range-coded by rows on the wire (swarm/wire/ecsq.py)."""
 
 from __future__ import annotations
 
@@ -140,30 +140,34 @@ def test_any_code_a_stranger_writes_decodes_finite() -> None:
     assert bool(torch.isfinite(decode(worst)).all())
 
 
-def test_on_the_wire_the_codes_travel_zstd_coded_and_the_step_plain() -> None:
+def test_on_the_wire_the_codes_travel_row_coded_and_the_step_plain() -> None:
     x = token_gradients(64, 256, seed=4)
     msg = pb.Tensor.FromString(packets.tensor_to_pb(x, "ecsq", zstd=True).SerializeToString())
-    assert (msg.codec, msg.compression, msg.scales_compression) == (pb.ECSQ, pb.ZSTD, pb.COMPRESSION_NONE)
+    assert (msg.codec, msg.compression, msg.scales_compression) == (pb.ECSQ, pb.ROWS, pb.COMPRESSION_NONE)
     assert len(msg.payload) < x.numel() // 2 and len(msg.scales) == 4
     y = packets.tensor_from_pb(msg)
     assert float((y - x).norm() / x.norm()) < 0.3
-    plain = packets.tensor_to_pb(x, "ecsq")  # without zstd: int8's size, still decodable
+    plain = packets.tensor_to_pb(x, "ecsq")  # without coding: int8's size, still decodable
     assert plain.compression == pb.COMPRESSION_NONE and len(plain.payload) == x.numel()
     assert torch.equal(packets.tensor_from_pb(plain), y)
 
 
-def test_the_wire_refuses_a_frame_of_another_size_and_coded_scales() -> None:
+def test_the_wire_refuses_codes_of_another_shape_zstd_and_coded_scales() -> None:
     x = torch.randn(16, 64)
     msg = packets.tensor_to_pb(x, "ecsq", zstd=True)
     liar = pb.Tensor()
     liar.CopyFrom(msg)
     del liar.shape[:]
-    liar.shape.extend([16, 65])  # the frame declares 1,024 bytes; the header now implies 1,040
-    with pytest.raises(packets.WireError, match="declares 1024 bytes"):
+    liar.shape.extend([16, 65])  # the codes declare 16 rows of 64; the header now implies 16 of 65
+    with pytest.raises(packets.WireError, match="declares 16 rows of 64; the header implies 16 of 65"):
+        packets.tensor_from_pb(liar)
+    liar.CopyFrom(msg)
+    liar.compression = pb.ZSTD  # ecsq's codes are never zstd-coded
+    with pytest.raises(packets.WireError, match="never zstd-coded"):
         packets.tensor_from_pb(liar)
     liar.CopyFrom(msg)
     liar.scales_compression = pb.ZSTD_PLANES
-    with pytest.raises(packets.WireError, match="travels plain"):
+    with pytest.raises(packets.WireError, match="coded scales of a payload that is not zstd-coded"):
         packets.tensor_from_pb(liar)
     del liar.shape[:]
     liar.shape.extend([1 << 20, 1 << 20])
@@ -193,7 +197,7 @@ def test_error_feedback_telescopes_and_is_on_under_auto() -> None:
     [
         (  # plain, ecsq is int8's size at eight times its error
             ("--wire-zstd", "off"),
-            "error: codec ecsq pays only zstd-coded (plain, it is int8's size); drop --wire-zstd off",
+            "error: codec ecsq pays only entropy-coded (plain, it is int8's size); drop --wire-zstd off",
         ),
         (  # without its residual ecsq drops small tokens' gradients every time (+12% by step 180 on gpt-medium)
             ("--error-feedback-backward", "off"),

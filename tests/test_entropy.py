@@ -235,6 +235,6 @@ def test_int3_rot_without_zstd_is_a_one_line_error(tmp_path: Path) -> None:
         )
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().splitlines() == [
-            "error: codec int3_rot pays only zstd-coded (plain, it is int4_rot's size); drop --wire-zstd off"
+            "error: codec int3_rot pays only entropy-coded (plain, it is int4_rot's size); drop --wire-zstd off"
         ]
         assert not any(tmp_path.iterdir())  # no run started

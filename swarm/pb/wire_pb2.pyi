@@ -37,6 +37,7 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPRESSION_NONE: _ClassVar[Compression]
     ZSTD: _ClassVar[Compression]
     ZSTD_PLANES: _ClassVar[Compression]
+    ROWS: _ClassVar[Compression]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -59,6 +60,7 @@ ECSQ: Codec
 COMPRESSION_NONE: Compression
 ZSTD: Compression
 ZSTD_PLANES: Compression
+ROWS: Compression
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed", "compression", "scales_compression", "rank")

@@ -1,4 +1,4 @@
-"""Entropy-coded scalar quantisation (``ecsq``): one step for the whole tensor, int8 codes, zstd on top.
+"""Entropy-coded scalar quantisation (``ecsq``): one step for the whole tensor, int8 codes, entropy-coded.
 
 Why: the block codecs (``int3_rot``) give every block of 64 values the same levels whatever its magnitude,
 so a block of tiny values costs as many bits as one of large values, and each block's scale travels too.
@@ -15,7 +15,7 @@ Layout: ``q = round(x / step)`` as int8 (two's complement), one byte per value, 
 ``scales`` are ``step`` as one little-endian fp32, ``step = max(STEP_PER_RMS * rms(x), absmax(x) / 127)``,
 so no code is clamped and every value decodes within ``step / 2`` of what was sent. ``STEP_PER_RMS`` gives
 the relative error ``int3_rot`` has on Gaussian data (0.25): the same precision where both fit the data.
-The codes are meant to travel zstd-coded (plain they are int8's size).
+The codes are meant to travel range-coded by rows (``swarm.wire.row_coding``; plain they are int8's size).
 
 Nothing here validates input: ``swarm.wire.codecs`` does that before calling in.
 """

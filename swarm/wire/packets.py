@@ -11,17 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError, Message
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import codecs, entropy
+from swarm.wire import codecs, entropy, row_coding
 from swarm.wire.quantize import num_blocks, payload_nbytes
 
 MAX_FRAME_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
 DEFAULT_MAX_PACKET_BYTES = 512 << 20
 DEFAULT_MAX_ELEMENTS = 1 << 27
 MAX_DIMS = 8
+ROW_CODED = frozenset({"ecsq"})  # codecs whose codes travel row-coded (Compression ROWS) when the run allows
 
 _DTYPE_TO_PB = {
     torch.float32: pb.FLOAT32,
@@ -76,29 +78,41 @@ def tensor_to_pb(x: torch.Tensor, codec: str, *, zstd: bool = False, **codec_opt
 
 
 def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor:
-    """The wire Tensor of ``enc``; ``zstd``: a 4-bit codec's payload and scales go zstd-coded (lossless)."""
+    """The wire Tensor of ``enc``; ``zstd``: lossless coding on top where the codec has one (zstd for the 4-bit
+    codecs' payloads and scales, row coding for ecsq's codes)."""
     coded = zstd and entropy.worth_coding(enc.codec)
+    rows = zstd and enc.codec in ROW_CODED
     scales = None
-    if coded and enc.block_size:  # ecsq's one step travels as it is
+    if coded:
         scales = entropy.compress_planes(enc.scales, num_blocks(codecs.numel_of(enc.shape), enc.block_size))
+    if rows:
+        payload = row_coding.compress(np.frombuffer(enc.payload, dtype=np.int8), _row_length(enc.shape))
+    else:
+        payload = entropy.compress(enc.payload) if coded else enc.payload
     return pb.Tensor(
         shape=list(enc.shape),
         dtype=_DTYPE_TO_PB[enc.dtype],
         codec=codec_to_pb(enc.codec),
-        payload=entropy.compress(enc.payload) if coded else enc.payload,
+        payload=payload,
         scales=enc.scales if scales is None else scales,
         block_size=enc.block_size,
         seed=enc.seed,
-        compression=pb.ZSTD if coded else pb.COMPRESSION_NONE,
+        compression=pb.ROWS if rows else pb.ZSTD if coded else pb.COMPRESSION_NONE,
         scales_compression=pb.COMPRESSION_NONE if scales is None else pb.ZSTD_PLANES,
         rank=enc.rank,
     )
 
 
-def _coded_numel(codec: str, shape: tuple[int, ...], max_elements: int) -> int:
-    """The element count of a coded tensor, once its codec may be coded and the count is within bounds."""
-    if not entropy.worth_coding(codec):
-        raise WireError(f"codec {codec} is never zstd-coded; only {', '.join(sorted(entropy.CODED))} are")
+def _row_length(shape: tuple[int, ...]) -> int:
+    """The codes in one row of a row-coded tensor: its last dimension (a 0- or 1-d tensor is one row)."""
+    return shape[-1] if len(shape) > 1 else max(codecs.numel_of(shape), 1)
+
+
+def _coded_numel(codec: str, coding: str, shape: tuple[int, ...], max_elements: int) -> int:
+    """The element count of a tensor coded with ``coding``, once its codec may be and the count is in bounds."""
+    coded = ROW_CODED if coding == "row-coded" else entropy.CODED
+    if codec not in coded:
+        raise WireError(f"codec {codec} is never {coding}; only {', '.join(sorted(coded))} are")
     n = codecs.numel_of(shape)
     if n > max_elements:
         raise WireError(f"tensor of {n} elements exceeds the limit of {max_elements}")
@@ -106,14 +120,20 @@ def _coded_numel(codec: str, shape: tuple[int, ...], max_elements: int) -> int:
 
 
 def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: int) -> bytes:
-    """The codec's payload, decompressed when coded: bounded by the size the header implies."""
+    """The codec's payload, decoded when coded: bounded by the size the header implies."""
     if msg.compression == pb.COMPRESSION_NONE:
         return msg.payload
+    if msg.compression == pb.ROWS:
+        n = _coded_numel(codec, "row-coded", shape, max_elements)
+        try:
+            return row_coding.decompress(msg.payload, n, _row_length(shape))
+        except row_coding.RowCodingError as e:
+            raise WireError(str(e)) from e
     if msg.compression != pb.ZSTD:
         raise WireError(f"unknown compression id {msg.compression}")
-    n = _coded_numel(codec, shape, max_elements)
+    n = _coded_numel(codec, "zstd-coded", shape, max_elements)
     try:
-        return entropy.decompress(msg.payload, n if codec == "ecsq" else payload_nbytes(n, 4))  # the rest: 4-bit
+        return entropy.decompress(msg.payload, payload_nbytes(n, 4))
     except entropy.EntropyError as e:
         raise WireError(str(e)) from e
 
@@ -126,9 +146,7 @@ def _scales(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: in
         raise WireError(f"unknown compression id {msg.scales_compression} for the scales")
     if msg.compression != pb.ZSTD:
         raise WireError("coded scales of a payload that is not zstd-coded")
-    if codec == "ecsq":
-        raise WireError("codec ecsq's step travels plain, never as coded byte planes")
-    n = _coded_numel(codec, shape, max_elements)
+    n = _coded_numel(codec, "zstd-coded", shape, max_elements)
     try:
         codecs.check_block_size(codec, msg.block_size)  # before num_blocks divides by it
         return entropy.decompress_planes(msg.scales, num_blocks(n, msg.block_size))
