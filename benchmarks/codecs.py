@@ -9,10 +9,11 @@ the code can do), with ``torch.set_num_threads(1)`` because a volunteer PC spend
 the model. ``enc+dec GB/s`` is ``numel * 4 / (t_encode + t_decode)``, the figure the target of issue
 #19 is stated in (>= 2 GB/s); rows that meet it are marked.
 
-``int4_rot+zstd``, ``int3_rot+zstd`` and ``ecsq+zstd`` are those codecs as the wire sends them (``--wire-zstd on``,
-the default): encode plus the lossless zstd coding of codes and scales into the wire message
-(``encoded_to_pb``), and back (``tensor_from_pb``), so they include protobuf's copy of the payload. How much
-zstd takes off depends on the data: these synthetic tensors compress less than trained boundaries do.
+``int4_rot+zstd``, ``int3_rot+zstd`` and ``ecsq+rows`` are those codecs as the wire sends them (``--wire-zstd on``,
+the default): encode plus the lossless coding into the wire message (``encoded_to_pb``: zstd over the 4-bit codes
+and their scales, ecsq's codes entropy-coded by rows), and back (``tensor_from_pb``), so they include protobuf's copy
+of the payload. How much the coding takes off depends on the data: these synthetic tensors compress less than
+trained boundaries do.
 
 Peers run with ``THP_MEM_ALLOC_ENABLE=1`` (``swarm/allocator.py``): half of a decode into a fresh
 64 MiB tensor is page faults without it. The benchmark therefore re-executes itself with that variable
@@ -43,7 +44,7 @@ from swarm.wire.packets import encoded_to_pb, tensor_from_pb
 
 CODECS = (
     *("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "ecsq"),
-    *("int4_rot+zstd", "int3_rot+zstd", "ecsq+zstd"),
+    *("int4_rot+zstd", "int3_rot+zstd", "ecsq+rows"),
 )
 TARGET_GBS = 2.0  # encode + decode, GB/s of float32 input (issue #19)
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -126,7 +127,8 @@ def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def measure(name: str, x: torch.Tensor, label: str, repeats: int, block_size: int) -> Row:
-    """One row; ``label`` is a codec, or ``codec+zstd`` for the coded wire message (see the docstring)."""
+    """One row; ``label`` is a codec, or ``codec+zstd`` / ``codec+rows`` for the coded wire message (see the
+    docstring)."""
     codec, _, coded = label.partition("+")
     options = {"block_size": block_size, "seed": 1234}
     if name == "gradients":  # as a stage sends them: fp32 scales first where its last gradient needed them

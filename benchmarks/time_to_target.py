@@ -68,8 +68,8 @@ class System:
 SYSTEMS = (
     System("torch GPipe fp32", "torch", "GPipe fp32", "fp32/fp32"),
     System("torch GPipe bf16", "torch", "GPipe bf16", "bf16/bf16"),
-    # zstd coding is lossless: the same loss curve as the plain pair, fewer bytes on the wire
-    System("Ravn int3_rot/ecsq + zstd (default)", "ravn", "sync int3_rot/ecsq zstd", "int3_rot/ecsq"),
+    # the coding (zstd, ecsq's by rows) is lossless: the same loss curve as the plain pair, fewer bytes on the wire
+    System("Ravn int3_rot/ecsq, coded (default)", "ravn", "sync int3_rot/ecsq zstd", "int3_rot/ecsq"),
     System(
         "Ravn int3_rot/int3_rot + zstd (default until 2026-12-05)",
         "ravn",
@@ -85,7 +85,7 @@ SYSTEMS = (
     System("Ravn int4_rot/int4_rot (default until zstd)", "ravn", "sync int4_rot/int4_rot", "int4_rot/int4_rot"),
     System("Ravn int4_rot/int8 (default until 2026-12-02)", "ravn", "sync int4_rot/int8", "int4_rot/int8"),
     System("Ravn lowrank/int3_rot + zstd (opt-in)", "ravn", "sync lowrank/int3_rot zstd", "lowrank/int3_rot"),
-    System("Ravn lowrank/ecsq + zstd (opt-in)", "ravn", "sync lowrank/ecsq zstd", "lowrank/ecsq"),
+    System("Ravn lowrank/ecsq, coded (opt-in)", "ravn", "sync lowrank/ecsq zstd", "lowrank/ecsq"),
     System("Ravn int8/int8 (default on 2026-12-01)", "ravn", "sync int8/int8", "int8/int8"),
 )
 BASELINES = ("torch GPipe fp32", "torch GPipe bf16")

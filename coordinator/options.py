@@ -288,7 +288,7 @@ def _train_params(
     wire_zstd: Annotated[
         str,
         typer.Option(
-            help="'on': 3- and 4-bit codes (int4, int4_rot, int3_rot) travel zstd-coded and ecsq's range-coded "
+            help="'on': 3- and 4-bit codes (int4, int4_rot, int3_rot) travel zstd-coded and ecsq's entropy-coded "
             "by rows, losslessly: on gpt-medium 348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms "
             "per micro-batch tensor (docs/codecs.md); 'off': as the codec makes them (int3_rot and ecsq need 'on', "
             "so the default from width 256 is then int4_rot).",

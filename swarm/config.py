@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 # 9: the scales of zstd-coded tensors may travel coded too (Tensor.scales_compression), as byte planes
 # 10: codec LOWRANK (Tensor.rank, TrainConfig.wire_rank); error feedback 'auto' decided per link
 # 11: codec ECSQ (one step per tensor, zstd-coded int8 codes)
-# 12: ECSQ codes travel range-coded by rows (Compression ROWS) instead of zstd-coded
+# 12: ECSQ codes travel entropy-coded by rows (Compression ROWS) instead of zstd-coded
 PROTOCOL_VERSION = 12
 SCHEDULES = ("sync", "async")
 DEFAULT_WIRE_RANK = 32  # columns of each factor of the ``lowrank`` codec (``--wire-rank``)

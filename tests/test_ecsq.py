@@ -1,4 +1,4 @@
-"""Codec ``ecsq``: one quantisation step per tensor, int8 codes, range-coded by rows on the wire (swarm/wire/ecsq.py)."""
+"""Codec ``ecsq``: one step per tensor, int8 codes, entropy-coded by rows on the wire (swarm/wire/ecsq.py)."""
 
 from __future__ import annotations
 

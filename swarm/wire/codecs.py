@@ -21,7 +21,7 @@ Codecs:
 * ``lowrank``: the tensor as a matrix of rows of its last dimension, sent as two thin int8 factors of
   ``rank`` columns (``swarm.wire.lowrank``): ``(rows + columns) x rank`` bytes instead of one per value,
   and an error that depends on how much of the matrix's energy those directions hold, not on a bit width;
-* ``ecsq``: one quantisation step for the whole tensor, int8 codes meant to travel range-coded by rows
+* ``ecsq``: one quantisation step for the whole tensor, int8 codes meant to travel entropy-coded by rows
   (``swarm.wire.ecsq``, ``swarm.wire.row_coding``): small values cost few bits and no per-block scale
   travels; for gradients, whose magnitudes vary from token to token, with the error feedback it needs
   (docs/codecs.md, "ecsq").

@@ -15,7 +15,7 @@ Layout: ``q = round(x / step)`` as int8 (two's complement), one byte per value, 
 ``scales`` are ``step`` as one little-endian fp32, ``step = max(STEP_PER_RMS * rms(x), absmax(x) / 127)``,
 so no code is clamped and every value decodes within ``step / 2`` of what was sent. ``STEP_PER_RMS`` gives
 the relative error ``int3_rot`` has on Gaussian data (0.25): the same precision where both fit the data.
-The codes are meant to travel range-coded by rows (``swarm.wire.row_coding``; plain they are int8's size).
+The codes are meant to travel entropy-coded by rows (``swarm.wire.row_coding``; plain they are int8's size).
 
 Nothing here validates input: ``swarm.wire.codecs`` does that before calling in.
 """
