@@ -350,6 +350,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--max-load", type=float, default=1.0)
     ap.add_argument("--max-wait", type=float, default=300)
+    ap.add_argument(
+        "--pairs",
+        nargs="+",
+        default=None,
+        help="time only the systems computing these loss pairs, e.g. int3_rot/ecsq (default: every pair with loss "
+        "runs); to time one wire against another build without timing the baselines again",
+    )
     args = ap.parse_args()
     results, runs_dir = load_convergence(args.convergence)
     targets = steps_to_target(results)
@@ -364,7 +371,7 @@ def main() -> None:
         load_start = wait_for_quiet(args.max_load, args.max_wait)
         with tempfile.TemporaryDirectory(prefix="ravn-ttt-") as tmp:
             # a system whose pair has no loss runs has no time to the target: it is not timed either
-            systems = [s for s in SYSTEMS if s.pair in targets]
+            systems = [s for s in SYSTEMS if s.pair in targets and (args.pairs is None or s.pair in args.pairs)]
             records = run_lab(args.caps, workload, Path(tmp), systems)
         meta = {
             "workload": workload.__dict__,

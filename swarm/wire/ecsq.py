@@ -8,8 +8,9 @@ the whole tensor whose codes are entropy-coded is the classic answer for squared
 (Gish and Pierce, 1968): small values cost few bits because their codes are mostly 0, and no per-block
 scale travels. On gpt-medium's gradients after 300 steps it sends ~20% fewer bytes than ``int3_rot`` at the
 same relative error per message; in training, with the error feedback it needs (without it a small token's
-gradient rounds to 0 every time), it sent the same bytes as int3_rot's gradients and cost less loss
-(docs/codecs.md, "ecsq"). On activations, whose rows have similar magnitudes, it gains nothing.
+gradient rounds to 0 every time), it cost less loss than int3_rot's gradients, at the same bytes zstd-coded
+and 23% fewer entropy-coded by rows (docs/codecs.md, "ecsq" and "Row-coded ecsq"). On activations, whose
+rows have similar magnitudes, it gains nothing.
 
 Layout: ``q = round(x / step)`` as int8 (two's complement), one byte per value, C order; the codec's
 ``scales`` are ``step`` as one little-endian fp32, ``step = max(STEP_PER_RMS * rms(x), absmax(x) / 127)``,
