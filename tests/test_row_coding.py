@@ -122,3 +122,24 @@ def test_arbitrary_bytes_decode_to_the_exact_size_or_are_refused(garbage: bytes,
         except row_coding.RowCodingError:
             continue
         assert len(out) == n
+
+
+def test_words_changed_in_flight_or_read_with_another_model_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flipped bit, or a coder of another version that turned the same weights into a slightly different model,
+    would decode to other codes inside the header's ranges; the rANS decoder must end exactly in the state the
+    encoder started from, and does not."""
+    codes = ecsq_codes(token_gradients(64, 256, seed=9))
+    data = row_coding.compress(codes, 256)
+    inside = len(data) - 128  # a byte well inside the coder's words
+    for bit in range(0, 32, 3):
+        bad = bytearray(data)
+        bad[inside + bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(row_coding.RowCodingError):
+            row_coding.decompress(bytes(bad), codes.size, 256)
+    exact = row_coding._model
+    for i in range(20):
+        monkeypatch.setattr(
+            row_coding, "_model", lambda w, i=i: exact(w * (1 + 0.01 * (np.arange(len(w)) == i % len(w))))
+        )
+        with pytest.raises(row_coding.RowCodingError):
+            row_coding.decompress(data, codes.size, 256)

@@ -21,10 +21,11 @@ Layout, little-endian (``m`` rows of ``r`` codes: ``r`` is the tensor's last dim
   order (a class whose width is 1 codes nothing: its codes are all its smallest one).
 
 The models are built from the integer weights alone (``weights / sum`` in float64 on both sides), so sender and
-receiver build the same tables. A malformed header is refused before anything is allocated beyond it; words
-that do not decode to the tensor's exact number of codes are refused. Corrupt words within a valid header
-decode to codes inside the header's ranges (an entropy coder cannot tell), which is what a lying peer could send
-in any codec; the receive checks downstream judge the values.
+receiver build the same tables. A malformed header is refused before anything is allocated beyond it, and words
+that do not bring the decoder back to the state the encoder started from once the tensor's codes are out: a
+flipped bit, trailing words, or a coder that built another model from the same weights (another version) is
+refused, not decoded to other codes (``tests/test_row_coding.py``). Codes that a lying peer chose are decoded as
+it sent them, as in any codec; the receive checks downstream judge the values.
 """
 
 from __future__ import annotations
