@@ -16,7 +16,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import codecs, entropy, row_coding
+from swarm.wire import codecs, entropy, lowrank, row_coding
 from swarm.wire.quantize import num_blocks, payload_nbytes
 
 MAX_FRAME_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
@@ -86,7 +86,7 @@ def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor
     if coded:
         scales = entropy.compress_planes(enc.scales, num_blocks(codecs.numel_of(enc.shape), enc.block_size))
     if rows:
-        payload = row_coding.compress(np.frombuffer(enc.payload, dtype=np.int8), _row_length(enc.shape))
+        payload = row_coding.compress(np.frombuffer(enc.payload, dtype=np.int8), lowrank.matrix_shape(enc.shape)[1])
     else:
         payload = entropy.compress(enc.payload) if coded else enc.payload
     return pb.Tensor(
@@ -101,11 +101,6 @@ def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor
         scales_compression=pb.COMPRESSION_NONE if scales is None else pb.ZSTD_PLANES,
         rank=enc.rank,
     )
-
-
-def _row_length(shape: tuple[int, ...]) -> int:
-    """The codes in one row of a row-coded tensor: its last dimension (a 0- or 1-d tensor is one row)."""
-    return shape[-1] if len(shape) > 1 else max(codecs.numel_of(shape), 1)
 
 
 def _coded_numel(codec: str, coding: str, shape: tuple[int, ...], max_elements: int) -> int:
@@ -126,7 +121,7 @@ def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: i
     if msg.compression == pb.ROWS:
         n = _coded_numel(codec, "row-coded", shape, max_elements)
         try:
-            return row_coding.decompress(msg.payload, n, _row_length(shape))
+            return row_coding.decompress(msg.payload, n, lowrank.matrix_shape(shape)[1])
         except row_coding.RowCodingError as e:
             raise WireError(str(e)) from e
     if msg.compression != pb.ZSTD:

@@ -6,7 +6,7 @@ codes such a tensor with one Huffman table per 128 KiB block, at no less than on
 fast levels spend more on short matches in a small alphabet than they save. An arithmetic coder whose model
 follows the row's magnitude spends a fraction of a bit on a quiet row's value and the right amount on a loud
 one's. On gpt-medium's boundary gradients after 300 steps, error feedback simulated, it made the codes 25%
-smaller than zstd at level 1 (and 11% smaller than zstd's optimal parser at level 15, in a sixth of its
+smaller than zstd at level 1 (and 12% smaller than zstd's optimal parser at level 15, in a tenth of its
 time); in a swarm, docs/codecs.md, "Row-coded ecsq". The coder is ``constriction``'s asymmetric numeral
 system (rANS, in Rust), whose decoder measured about 3x faster than its range decoder at the same size.
 
