@@ -1,6 +1,5 @@
-"""The ``lowrank`` codec: exact on matrices of its rank (up to its int8 factors), as few directions as keep
-99.9% of a tensor's energy, a block codec for a tensor its rank cannot hold, and every malformed header
-refused before anything is allocated."""
+"""The ``lowrank`` codec: exact on matrices of its rank (up to its int8 factors), a projection otherwise,
+and every malformed header refused before anything is allocated."""
 
 from __future__ import annotations
 
@@ -43,25 +42,21 @@ def test_a_matrix_of_at_most_the_codecs_rank_comes_back_up_to_the_int8_factors(
     x = rank_k(m, n, k, magnitude, seed)
     enc = encode(x, "lowrank", rank=rank, seed=seed, block_size=block_size)
     y = decode(enc)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    err = float((y - x).norm() / x.norm())
-    if enc.codec == "int3_rot":  # more directions than ``rank`` hold 99.9% of: block-coded, nothing dropped
-        assert k > min(rank, m, n) and err < 0.4, err
-        return
-    assert enc.codec == "lowrank" and 1 <= enc.rank <= min(rank, m, n, k)
+    assert enc.rank == min(rank, m, n) and y.shape == x.shape and y.dtype == x.dtype
     assert len(enc.payload) == enc.rank * (m + n)  # one int8 code per factor entry
-    if k <= min(rank, m, n):
-        assert err < 0.04, err  # the subspace holds all of x: only 0.1% of its energy and the rounding lost
+    err = float((y - x).norm() / x.norm())
+    if k <= enc.rank:
+        assert err < 0.03, err  # the subspace holds all of x: only the factors' rounding is lost
     else:
-        assert err < 0.05, err  # a projection that keeps 99.9% of the energy, then the rounding
+        assert err <= 1.03  # a projection never adds energy; the rounding adds a little
 
 
 def test_a_tensor_is_the_matrix_of_rows_of_its_last_dimension() -> None:
     x = rank_k(512, 256, 5, 1.0, 0).view(4, 128, 256)
     enc = encode(x, "lowrank", rank=8)
-    assert enc.rank == 5 and len(enc.payload) == 5 * (512 + 256)  # five directions hold all of it
+    assert enc.rank == 8 and len(enc.payload) == 8 * (512 + 256)
     assert float((decode(enc) - x).norm() / x.norm()) < 0.02
-    for shape, rank in (((), 1), ((7,), 1), ((0,), 0), ((3, 0), 0), ((2, 3, 5), 1)):
+    for shape, rank in (((), 1), ((7,), 1), ((0,), 0), ((3, 0), 0), ((2, 3, 5), 5)):
         enc = encode(torch.ones(shape), "lowrank")
         assert enc.rank == rank and torch.allclose(decode(enc), torch.ones(shape), rtol=0.01)
 
@@ -76,27 +71,6 @@ def test_what_a_low_rank_code_buys_on_a_tensor_that_has_the_structure() -> None:
         three.ByteSize(),
         err,
     )
-
-
-def test_the_rank_follows_the_energy_and_a_tensor_without_the_structure_goes_block_coded() -> None:
-    """A hidden state's structure comes with training; a Hugging Face checkpoint's may have none."""
-    g = torch.Generator().manual_seed(6)
-    u, _ = torch.linalg.qr(torch.randn(512, 64, generator=g))
-    v, _ = torch.linalg.qr(torch.randn(256, 64, generator=g))
-    for directions, tail in ((6, 1e-3), (20, 1e-3), (40, 1e-3)):
-        weights = torch.cat([torch.full((directions,), 1.0), torch.full((64 - directions,), tail)])
-        x = (u * weights) @ v.T
-        enc = encode(x, "lowrank", rank=32, seed=1)
-        err = float((decode(enc) - x).norm() / x.norm())
-        if directions <= 32:
-            assert (enc.codec, enc.rank) == ("lowrank", directions) and err < 0.02, (enc.codec, enc.rank, err)
-        else:  # 40 equal directions: 32 keep 80% of the energy
-            assert enc.codec == "int3_rot" and enc.seed == 1 and err < 0.3, (enc.codec, err)
-    full = torch.randn(512, 256, generator=g)
-    assert encode(full, "lowrank", rank=32).codec == "int3_rot"
-    assert encode(full, "lowrank", rank=32, fallback="int4_rot").codec == "int4_rot"
-    with pytest.raises(CodecError, match="fallback"):
-        encode(full, "lowrank", fallback="lowrank")
 
 
 def test_non_finite_input_is_refused() -> None:
@@ -122,15 +96,14 @@ def test_non_finite_input_is_refused() -> None:
     ],
 )
 def test_malformed_messages_are_refused(change: dict, match: str | None) -> None:
-    enc = encode(rank_k(64, 100, 4, 1.0, 0), "lowrank", rank=4)
-    assert enc.codec == "lowrank"
+    enc = encode(torch.randn(64, 100), "lowrank", rank=4)
     with pytest.raises(CodecError, match=match):
         decode(dataclasses.replace(enc, **change))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
 def test_bad_scales_are_refused(value: float) -> None:
-    enc = encode(rank_k(64, 100, 4, 1.0, 0), "lowrank", rank=4)
+    enc = encode(torch.randn(64, 100), "lowrank", rank=4)
     scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.float32).clone()
     scales[1] = value
     with pytest.raises(CodecError, match="scale"):
@@ -152,23 +125,17 @@ def test_the_wire_message_carries_the_rank_and_refuses_an_absurd_claim() -> None
         packets.tensor_from_pb(msg)
 
 
-@pytest.mark.parametrize(("zstd", "block_coded"), [(True, pb.INT3_ROT), (False, pb.INT4_ROT)])
-def test_the_policy_sends_lowrank_both_ways_with_error_feedback_under_auto(zstd: bool, block_coded: int) -> None:
-    """A full-rank gradient goes block-coded (int3_rot where zstd codes it, else int4_rot, as large and finer),
-    its rounding owed to the next one; the summary counts what was sent."""
-    policy = WirePolicy(forward="lowrank", backward="lowrank", error_feedback="auto", rank=4, zstd=zstd)
+def test_the_policy_sends_lowrank_both_ways_with_error_feedback_under_auto() -> None:
+    policy = WirePolicy(forward="lowrank", backward="lowrank", error_feedback="auto", rank=4)
     assert feeds_back("auto", "lowrank") and not feeds_back("off", "lowrank")
     x = rank_k(2 * 16, 64, 4, 1.0, 5).view(2, 16, 64)
     act = policy.activations(pb.MicroBatch(id=3), x, None).activations.hidden
     assert (act.codec, act.rank) == (pb.LOWRANK, 4)
     assert float((policy.decode(act) - x).norm() / x.norm()) < 0.02
-    g = torch.randn(2, 16, 64) * 1e-7
-    sent = policy.gradients(pb.MicroBatch(id=3), g, to="up").gradients.grad
-    assert sent.codec == block_coded and sent.seed == 3
+    g = torch.randn(2, 16, 64) * 1e-7  # full rank: what rank 4 drops is owed to the next gradient
+    policy.gradients(pb.MicroBatch(id=3), g, to="up")
     residual = policy._feedback["up"].residual
-    assert residual is not None and 0 < float(residual.norm()) < 0.3 * float(g.norm())
-    name = packets.codec_from_pb(block_coded)
-    assert policy.sent == {"forward:lowrank": 1, f"backward:{name}": 1}
+    assert residual is not None and float(residual.norm()) > 0.5 * float(g.norm())
 
 
 def test_the_sizes_are_arithmetic_on_the_header() -> None:

@@ -11,8 +11,7 @@ upstream holders, each holder's stream telescopes on its own.
 The codec of each link is the plan's (``--wire-* auto`` picks one per link, coordinator/wire_choice.py):
 activations go out with ``forward`` (encoded before the sender routes them to a holder, so one codec for
 all its downstream links), gradients with ``backward_to[destination]``, or ``backward`` where the plan
-names none. ``sent`` counts tensors by direction and codec: what a stage reports as actually sent (a
-``lowrank`` link also sends block-coded tensors, those its rank cannot hold).
+names none. ``sent`` counts tensors by direction and codec: what a stage reports as actually sent.
 """
 
 from __future__ import annotations
@@ -25,14 +24,7 @@ import torch
 from swarm.pb import wire_pb2 as pb
 from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, DEFAULT_RANK, LOSSY_CODECS, encode
 from swarm.wire.error_feedback import ErrorFeedback
-from swarm.wire.packets import (
-    DEFAULT_MAX_ELEMENTS,
-    WireError,
-    codec_from_pb,
-    encoded_to_pb,
-    tensor_from_pb,
-    tensor_to_pb,
-)
+from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
 from swarm.wire.quantize import num_blocks
 
 LOSSY = frozenset(LOSSY_CODECS)
@@ -67,15 +59,12 @@ class WirePolicy:
     def _options(self, codec: str, mb: pb.MicroBatch) -> dict:
         if codec not in LOSSY or codec == "ecsq":  # ecsq has no blocks, seed or rank
             return {}
-        options: dict = {"block_size": self.block_size, "seed": mb.id}
-        if codec == "lowrank":  # a tensor of more than ``rank`` directions goes block-coded, int3_rot's if it pays
-            options.update(rank=self.rank, fallback="int3_rot" if self.zstd else "int4_rot")
-        return options
+        return {"block_size": self.block_size, "seed": mb.id, **({"rank": self.rank} if codec == "lowrank" else {})}
 
     def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
         if hidden.is_floating_point():
             tensor = tensor_to_pb(hidden, self.forward, zstd=self.zstd, **self._options(self.forward, mb))
-            self.sent[f"forward:{codec_from_pb(tensor.codec)}"] += 1  # lowrank's fallback is counted as sent
+            self.sent[f"forward:{self.forward}"] += 1
         else:
             tensor = tensor_to_pb(hidden, "raw")
         act = pb.Activations(mb=mb, hidden=tensor)
@@ -104,7 +93,7 @@ class WirePolicy:
             msg.grad.CopyFrom(encoded_to_pb(enc, zstd=self.zstd))
             if options:  # from the scales as quantised: on the wire they may be zstd-coded, and shorter
                 self._small[to] = len(enc.scales) == 4 * num_blocks(grad.numel(), self.block_size)
-            self.sent[f"backward:{enc.codec}"] += 1
+            self.sent[f"backward:{codec}"] += 1
         return pb.Packet(gradients=msg)
 
     def codec_to(self, to: str) -> str:

@@ -180,7 +180,6 @@ def encode(
     allow_nonfinite: bool = False,
     small: bool = False,
     rank: int = DEFAULT_RANK,
-    fallback: str = "int3_rot",
 ) -> EncodedTensor:
     """Encode ``x`` with ``codec``; refuses NaN/Inf unless allowed (a broken peer must not spread them).
 
@@ -190,8 +189,7 @@ def encode(
     The integer codecs cannot represent NaN/Inf at all (their scales must be finite), so they refuse
     non-finite input even with ``allow_nonfinite``.
     The decoded tensor will have ``x.dtype``, which must be float32, float16 or bfloat16 for every
-    codec but ``raw``. ``rank`` is ``lowrank``'s most directions (capped at the matrix's smaller side); a
-    tensor they cannot hold to ``lowrank.ENERGY`` goes with ``fallback``, a block codec, instead.
+    codec but ``raw``. ``rank`` is ``lowrank``'s (capped at the matrix's smaller side).
     """
     shape = tuple(x.shape)
     if codec == "raw":
@@ -212,10 +210,7 @@ def encode(
             )
         return EncodedTensor(codec, shape, x.dtype, _cast_to_bytes(x, _STORAGE_DTYPE[codec]))
     if codec == "lowrank":
-        if fallback not in _BITS:
-            raise CodecError(f"lowrank's fallback {fallback!r} must be one of {', '.join(sorted(_BITS))}")
-        enc = _encode_lowrank(x, block_size, seed, rank)
-        return enc if enc is not None else encode(x, fallback, block_size=block_size, seed=seed, small=small)
+        return _encode_lowrank(x, block_size, seed, rank)
     if codec == "ecsq":
         return _encode_ecsq(x)
     bits = _check_quant_params(codec, block_size, seed)
@@ -267,8 +262,7 @@ def _check_rank(rank: object, shape: tuple[int, ...]) -> int:
     return rank
 
 
-def _encode_lowrank(x: torch.Tensor, block_size: object, seed: object, rank: object) -> EncodedTensor | None:
-    """The ``lowrank`` code of ``x``, or None where ``rank`` directions hold too little of it."""
+def _encode_lowrank(x: torch.Tensor, block_size: object, seed: object, rank: object) -> EncodedTensor:
     check_block_size("int8", block_size)
     if type(seed) is not int or not 0 <= seed <= MAX_SEED:
         raise CodecError(f"seed {seed!r} must be an unsigned 64-bit integer")
@@ -278,13 +272,7 @@ def _encode_lowrank(x: torch.Tensor, block_size: object, seed: object, rank: obj
     if not _all_finite(x):
         raise CodecError("tensor contains NaN or Inf, which codec lowrank cannot represent")
     r = lowrank.effective_rank(min(rank, lowrank.MAX_RANK), shape)
-    payload, scales = (torch.empty(0, dtype=torch.int8),) * 2
-    if r:
-        factors = lowrank.fit(x, r, seed)
-        if factors is None:
-            return None
-        payload, scales = lowrank.encode(*factors, block_size)
-        r = factors[0].shape[1]
+    payload, scales = lowrank.encode(x, r, seed, block_size) if r else (torch.empty(0, dtype=torch.int8),) * 2
     if r and not bool(torch.isfinite(scales).all()):  # factors beyond float32: nothing the receiver could use
         raise CodecError("tensor too large for codec lowrank's factors")
     return EncodedTensor(

@@ -5,12 +5,8 @@ holds; the tensors between stages of a small trained model hold little. As a ``t
 gpt-medium's hidden states keep 99.9% of their energy in 32 of 256 singular directions after 300 steps,
 its gradients 91% (``benchmarks/entropy.py``; docs/codecs.md, "Low rank"). A rank-``r`` code sends
 ``(tokens + d_model) x r`` values: on such a tensor far fewer bytes than ``int3_rot`` at a fraction of its
-error. The structure comes with training and changes as it goes: on gpt-medium 8-11 directions keep 99.9%
-of the hidden states' energy at step 150 and 20-30 at step 299, and a Hugging Face checkpoint's hidden
-states may not be low-rank at all. So ``rank`` is a cap, and each tensor takes the fewest directions that
-keep ``ENERGY`` of it; a tensor that ``rank`` directions cannot hold so goes with a block codec instead
-(``fallback`` of :func:`swarm.wire.codecs.encode`), which never drops a direction. The energy is measured,
-not estimated: it is that of the projection the code sends, before its int8 rounding.
+error. On a tensor without that structure it only loses what lies outside the ``r`` directions, so it is
+opt-in, for models where ``benchmarks/entropy.py`` shows the structure.
 
 The layout of the ``lowrank`` codec (``rank`` travels in the message, ``r <= min(m, n)``):
 
@@ -34,10 +30,6 @@ from swarm.wire import quantize
 
 LOWRANK_ITERS = 2
 MAX_RANK = 4096
-# The share of a tensor's energy (squared norm) a code keeps: relative error 3% before the factors' rounding,
-# against int3_rot's 25%. At rank 32 gpt-medium's hidden states kept 99.92% at step 299 and trained within
-# 0.5% of fp32 (docs/codecs.md, "Low rank").
-ENERGY = 0.999
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -74,25 +66,9 @@ def factorise(x: torch.Tensor, rank: int, seed: int) -> tuple[torch.Tensor, torc
     return p, q
 
 
-def fit(x: torch.Tensor, cap: int, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(P, Q)`` of the fewest of ``cap`` (already ``effective_rank``, >= 1) directions that keep ``ENERGY``
-    of ``x``, or None where all ``cap`` keep less.
-
-    ``Q = X^T P`` with orthonormal ``P``, so the code's energy is ``||Q||^2``; turning both factors by the
-    eigenvectors of ``Q^T Q`` puts their columns in order of energy, and the first ones are kept."""
-    p, q = factorise(x, cap, seed)
-    energy, turn = torch.linalg.eigh(q.double().T @ q.double())  # ascending
-    kept = torch.cumsum(energy.flip(0).clamp_min(0), 0)
-    total = float(torch.linalg.vector_norm(x.detach(), dtype=torch.float64)) ** 2
-    if float(kept[-1]) < ENERGY * total:
-        return None
-    rank = int((kept < ENERGY * total).sum()) + 1
-    turn = turn.flip(1)[:, :rank].to(q.dtype)
-    return p @ turn, q @ turn
-
-
-def encode(p: torch.Tensor, q: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(payload int8, scales float32)`` of the factors :func:`fit` gives."""
+def encode(x: torch.Tensor, rank: int, seed: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(payload int8, scales float32)`` of ``x`` at ``rank`` (already ``effective_rank``)."""
+    p, q = factorise(x, rank, seed)
     pc, ps = quantize.quantize(p.T.contiguous().view(-1), 8, block_size, None, torch.float32)
     qc, qs = quantize.quantize(q.T.contiguous().view(-1), 8, block_size, None, torch.float32)
     return torch.cat([pc, qc]), torch.cat([ps, qs])
