@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import lowrank, packets
+from swarm.wire import lowrank, packets, quantize
 from swarm.wire.codec_policy import WirePolicy, feeds_back
 from swarm.wire.codecs import CodecError, decode, encode
 from tests.conftest import read_metrics, run_ravn_local
@@ -139,7 +139,7 @@ def test_the_policy_sends_lowrank_both_ways_with_error_feedback_under_auto() -> 
 
 
 def test_the_sizes_are_arithmetic_on_the_header() -> None:
-    assert lowrank.matrix_shape((4, 128, 256)) == (512, 256)
+    assert quantize.matrix_shape((4, 128, 256)) == (512, 256)
     assert lowrank.sizes(32, (4, 128, 256), 64) == (32 * 512, 32 * 256, 256, 128)
     assert lowrank.effective_rank(32, (3, 5)) == 3
 

@@ -255,7 +255,7 @@ def encode(
 def _check_rank(rank: object, shape: tuple[int, ...]) -> int:
     """``rank`` as ``lowrank`` may carry it for ``shape``: at least 1 (0 for an empty tensor), at most the
     matrix's smaller side."""
-    m, n = lowrank.matrix_shape(shape)
+    m, n = quantize.matrix_shape(shape)
     top = min(m, n, lowrank.MAX_RANK)
     if type(rank) is not int or not (1 if top else 0) <= rank <= top:
         raise CodecError(f"rank {rank!r} of a lowrank {m} x {n} matrix must be an integer in [1, {top}]")

@@ -32,30 +32,21 @@ LOWRANK_ITERS = 2
 MAX_RANK = 4096
 
 
-def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """``(m, n)``: the tensor as rows of its last dimension (a 0- or 1-d tensor is one row)."""
-    n = shape[-1] if shape else 1
-    m = 1
-    for d in shape[:-1]:
-        m *= d
-    return m, n
-
-
 def effective_rank(rank: int, shape: tuple[int, ...]) -> int:
-    m, n = matrix_shape(shape)
+    m, n = quantize.matrix_shape(shape)
     return min(rank, m, n)
 
 
 def sizes(rank: int, shape: tuple[int, ...], block_size: int) -> tuple[int, int, int, int]:
     """Payload elements of ``P^T`` and ``Q^T``, and their block counts, for an effective ``rank``."""
-    m, n = matrix_shape(shape)
+    m, n = quantize.matrix_shape(shape)
     p, q = rank * m, rank * n
     return p, q, quantize.num_blocks(p, block_size), quantize.num_blocks(q, block_size)
 
 
 def factorise(x: torch.Tensor, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P, Q)`` with ``x ~= P Q^T`` as an ``m x n`` matrix, ``rank`` columns each (float32)."""
-    m, n = matrix_shape(tuple(x.shape))
+    m, n = quantize.matrix_shape(tuple(x.shape))
     xm = x.detach().reshape(m, n).float()
     g = torch.Generator(device=xm.device).manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
     q = torch.randn(n, rank, generator=g, device=xm.device)
@@ -84,7 +75,7 @@ def decode(
     device: torch.device,
 ) -> torch.Tensor:
     """``P Q^T`` from checked ``payload`` (int8) and ``scales`` (float32) of the sizes :func:`sizes` gives."""
-    m, n = matrix_shape(shape)
+    m, n = quantize.matrix_shape(shape)
     pn, qn, pb, _ = sizes(rank, shape, block_size)
     pt = quantize.dequantize(payload[:pn], scales[:pb], pn, 8, block_size, torch.float32, device)
     qt = quantize.dequantize(payload[pn:], scales[pb:], qn, 8, block_size, torch.float32, device)

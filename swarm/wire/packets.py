@@ -16,8 +16,8 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import codecs, entropy, lowrank, row_coding
-from swarm.wire.quantize import num_blocks, payload_nbytes
+from swarm.wire import codecs, entropy, row_coding
+from swarm.wire.quantize import matrix_shape, num_blocks, payload_nbytes
 
 MAX_FRAME_BYTES = 1 << 20  # well under gRPC's default 4 MiB message limit
 DEFAULT_MAX_PACKET_BYTES = 512 << 20
@@ -86,7 +86,7 @@ def encoded_to_pb(enc: codecs.EncodedTensor, *, zstd: bool = False) -> pb.Tensor
     if coded:
         scales = entropy.compress_planes(enc.scales, num_blocks(codecs.numel_of(enc.shape), enc.block_size))
     if rows:
-        payload = row_coding.compress(np.frombuffer(enc.payload, dtype=np.int8), lowrank.matrix_shape(enc.shape)[1])
+        payload = row_coding.compress(np.frombuffer(enc.payload, dtype=np.int8), matrix_shape(enc.shape)[1])
     else:
         payload = entropy.compress(enc.payload) if coded else enc.payload
     return pb.Tensor(
@@ -121,7 +121,7 @@ def _payload(msg: pb.Tensor, codec: str, shape: tuple[int, ...], max_elements: i
     if msg.compression == pb.ROWS:
         n = _coded_numel(codec, "row-coded", shape, max_elements)
         try:
-            return row_coding.decompress(msg.payload, n, lowrank.matrix_shape(shape)[1])
+            return row_coding.decompress(msg.payload, n, matrix_shape(shape)[1])
         except row_coding.RowCodingError as e:
             raise WireError(str(e)) from e
     if msg.compression != pb.ZSTD:

@@ -72,6 +72,15 @@ def _scratch(
     return buf[:numel].view(shape)
 
 
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(m, n)``: the tensor as rows of its last dimension (a 0- or 1-d tensor is one row)."""
+    n = shape[-1] if shape else 1
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    return m, n
+
+
 def num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
