@@ -7,7 +7,7 @@ import re
 import sys
 
 HANGUP_LOGGER = "ravn.hangups"
-_GRPC_AIO_LOGGER = "grpc._cython.cygrpc"
+GRPC_AIO_LOGGER = "grpc._cython.cygrpc"
 _METHOD = re.compile(r"servicer method \[([^\]]*)\]")
 
 
@@ -44,6 +44,6 @@ def setup_logging(level: str = "INFO", *, prefix: str = "") -> None:
     root.setLevel(level.upper())
     for noisy in ("hivemind", "asyncio", "grpc"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
-    grpc_aio = logging.getLogger(_GRPC_AIO_LOGGER)
+    grpc_aio = logging.getLogger(GRPC_AIO_LOGGER)
     if not any(isinstance(f, CallerHungUp) for f in grpc_aio.filters):
         grpc_aio.addFilter(CallerHungUp())

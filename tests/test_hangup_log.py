@@ -19,7 +19,7 @@ import time
 import grpc
 import pytest
 
-from swarm.logs import HANGUP_LOGGER, setup_logging
+from swarm.logs import GRPC_AIO_LOGGER, HANGUP_LOGGER, setup_logging
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import control_pb2_grpc as cgrpc
 
@@ -56,9 +56,13 @@ async def _hang_up(port: int, stop: threading.Event) -> None:
 
 @pytest.fixture
 def captured():
-    """Ravn's own logging setup, writing to a buffer; the root logger is put back afterwards."""
+    """Ravn's own logging setup, writing to a buffer; every logger it touched is put back afterwards."""
     root = logging.getLogger()
     saved = root.handlers[:], root.level
+    touched = [logging.getLogger(name) for name in ("hivemind", "asyncio", "grpc")]
+    saved_levels = [lg.level for lg in touched]
+    grpc_aio = logging.getLogger(GRPC_AIO_LOGGER)
+    saved_filters = grpc_aio.filters[:]
     setup_logging("INFO")
     out = io.StringIO()
     root.handlers[0].setStream(out)
@@ -72,6 +76,9 @@ def captured():
         logging.getLogger(HANGUP_LOGGER).setLevel(logging.NOTSET)
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+        for lg, level in zip(touched, saved_levels, strict=True):
+            lg.setLevel(level)
+        grpc_aio.filters[:] = saved_filters
 
 
 def test_a_caller_that_hangs_up_mid_reply_is_one_quiet_line(captured):
