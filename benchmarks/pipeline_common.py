@@ -50,8 +50,8 @@ RAVN_BF16 = ("--wire-forward", "bf16", "--wire-backward", "bf16")
 RAVN_INT4 = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", *RAVN_PLAIN)  # docs/codecs.md
 RAVN_INT4_ZSTD = ("--wire-forward", "int4_rot", "--wire-backward", "int4_rot", "--wire-zstd", "on")  # the defaults
 RAVN_INT3_ZSTD = ("--wire-forward", "int3_rot", "--wire-backward", "int3_rot", "--wire-zstd", "on")  # docs/codecs.md
-RAVN_ECSQ = ("--wire-forward", "int3_rot", "--wire-backward", "ecsq", "--wire-zstd", "on")  # the wide default
-# opt-in: rank-32 factors for activations (docs/codecs.md, "Low rank")
+RAVN_ECSQ = ("--wire-forward", "int3_rot", "--wire-backward", "ecsq", "--wire-zstd", "on")  # default until 12-06
+# rank-32 factors for activations (docs/codecs.md, "Low rank"); with ecsq gradients gpt-medium's default
 RAVN_LOWRANK = ("--wire-forward", "lowrank", "--wire-backward", "int3_rot", "--wire-zstd", "on")
 RAVN_LOWRANK_ECSQ = ("--wire-forward", "lowrank", "--wire-backward", "ecsq", "--wire-zstd", "on")
 RAVN_MODES: dict[str, tuple[str, ...]] = {

@@ -131,10 +131,10 @@ class RunOptions:
         return f"hf:{Path(self.model).name}"[:128] if self.is_checkpoint else self.model
 
     def wire(self) -> tuple[str, str]:
-        """The run's (forward, backward) codecs: those given, else the default for the model's width."""
+        """The run's (forward, backward) codecs: those given, else the default for the model's width and origin."""
         if self.wire_forward is not None and self.wire_backward is not None:
             return self.wire_forward, self.wire_backward
-        fwd, bwd = default_wire(self.model_config().d_model, self.wire_zstd)
+        fwd, bwd = default_wire(self.model_config().d_model, self.wire_zstd, from_scratch=not self.is_checkpoint)
         return self.wire_forward or fwd, self.wire_backward or bwd
 
     def train_config(self) -> TrainConfig:

@@ -12,41 +12,44 @@ NEEDS_ZSTD = frozenset({"int3_rot", "ecsq"})  # plain, as large as int4_rot's (i
 NEEDS_FEEDBACK = frozenset({"ecsq"})
 PLAIN_SIZE_OF = {"int3_rot": "int4_rot", "ecsq": "int8"}  # what a NEEDS_ZSTD codec sends without zstd
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
-# The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width, the pair
-# with the fewest bytes whose validation loss stays within 2% of fp32 (3 seeds x 300 steps, docs/codecs.md,
-# "Which pair is the default" and "int3_rot"). At width 256 (gpt-medium) int3_rot/int3_rot zstd-coded:
-# +0.48% at 19.5x fewer bytes than fp32 (16.9x over the last third), the only pair to reach the
-# time-to-target loss on all 3 seeds (docs/BENCHMARKS.md, section 3). With --wire-zstd off int3_rot would
-# be int4_rot's size, so there the default stays int4_rot/int4_rot (+1.07%, -0.08% and -0.55% in three
-# 3-seed sets, 7.3x plain). At width 128 (gpt-small, ravn local's default model) 4-bit activations cost
-# +2.4% (int4_rot/int8) and +3.2% (int4_rot/int4_rot), int8/int8 -0.49% with a flat last third
-# (int8/int4_rot +0.41%, but its gap grew). Wider models (every Hugging Face checkpoint) take the wide
-# pair: measured at 256, not beyond. Those figures are the old recipe's (lr 3e-3, unclipped); at today's
-# (lr 1.5e-3, clip 1) int3_rot/int3_rot costs +1.97% with error feedback on its gradients, at 14.8x, its gap
-# growing (docs/BENCHMARKS.md, "The default recipe"), and lowrank forward / int3_rot backward +1.23% (docs/codecs.md,
-# "Low rank"; opt-in: measured on gpt-medium only, whose hidden states are nearly rank 32). Since 2026-12-05 the
-# wide default sends gradients ecsq (one step per tensor, error feedback on): +0.57% at the same bytes (5 seeds),
-# every seed below int3_rot gradients' (+1.82%), its gap growing half as fast (docs/codecs.md, "ecsq").
-DEFAULT_WIRE_WIDE = ("int3_rot", "ecsq")
+# The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width and origin, the
+# pair with the fewest bytes whose validation loss stays within 2% of fp32 over 600 steps of gpt-medium (3 seeds,
+# sync, AVX2 machine; docs/codecs.md, "600 steps"): 300 steps hid a cost that compounds. Against fp32 at step 600:
+#   lowrank/ecsq   +1.58% (sd 0.24), 17.7x fewer bytes, gap growing ~0.14 points per 100 steps
+#   int4_rot/ecsq  +1.13% (sd 0.65), 10.9x, ~0.13 points per 100 steps
+#   int3_rot/ecsq  +5.82% (2 seeds), 15.6x, ~0.9 points per 100 steps: the default until 2026-12-06; its 3-bit
+#                  activations carry it (int3_rot/fp32 +4.91%, seed 0)
+# A wide model trained from scratch (the built-in presets: gpt-medium) sends its activations lowrank, as rank-32
+# factors: its hidden states are nearly rank 32 (docs/codecs.md, "Low rank"). A checkpoint's are not known to be, and
+# lowrank loses whatever lies outside its directions, so wide checkpoints send int4_rot activations. Gradients go
+# ecsq (one step per tensor, error feedback on, entropy-coded by rows). With --wire-zstd off ecsq cannot be sent
+# and the default is int4_rot/int4_rot (+1.07%, -0.08%, -0.55% in three 3-seed sets at 300 steps, 7.3x plain; not
+# run to 600). At width 128 (gpt-small, ravn local's default model) 4-bit activations cost +2.4-3.2% (3 x 300 steps),
+# so narrow models send int8/int8.
+DEFAULT_WIRE_WIDE = ("int4_rot", "ecsq")
+DEFAULT_WIRE_SCRATCH = ("lowrank", "ecsq")
 DEFAULT_WIRE_WIDE_PLAIN = ("int4_rot", "int4_rot")
 DEFAULT_WIRE_NARROW = ("int8", "int8")
 
 
-def default_wire(d_model: int, zstd: bool = True) -> tuple[str, str]:
+def default_wire(d_model: int, zstd: bool = True, from_scratch: bool = False) -> tuple[str, str]:
     """(forward, backward) codecs of a run that names none, for a model ``d_model`` wide.
 
     ``zstd``: whether the run codes 3- and 4-bit payloads (zstd) and ecsq's (by rows) losslessly
-    (``--wire-zstd``); int3_rot and ecsq pay only so.
+    (``--wire-zstd``); int3_rot and ecsq pay only so. ``from_scratch``: a built-in preset trained from its
+    initialisation, not a checkpoint, whose hidden states are measured to be nearly low rank.
     """
     if d_model < WIDE_FROM:
         return DEFAULT_WIRE_NARROW
-    return DEFAULT_WIRE_WIDE if zstd else DEFAULT_WIRE_WIDE_PLAIN
+    if not zstd:
+        return DEFAULT_WIRE_WIDE_PLAIN
+    return DEFAULT_WIRE_SCRATCH if from_scratch else DEFAULT_WIRE_WIDE
 
 
 def default_help(direction: int) -> str:
     """The default of ``--wire-forward`` (``direction`` 0) or ``--wire-backward`` (1), as help text."""
     return (
-        f"default: {DEFAULT_WIRE_WIDE[direction]} for models {WIDE_FROM} or more wide "
-        f"({DEFAULT_WIRE_WIDE_PLAIN[direction]} with --wire-zstd off), "
-        f"{DEFAULT_WIRE_NARROW[direction]} for narrower ones"
+        f"default: {DEFAULT_WIRE_SCRATCH[direction]} for gpt-medium, {DEFAULT_WIRE_WIDE[direction]} for checkpoints "
+        f"{WIDE_FROM} or more wide ({DEFAULT_WIRE_WIDE_PLAIN[direction]} for both with --wire-zstd off), "
+        f"{DEFAULT_WIRE_NARROW[direction]} for narrower models"
     )
