@@ -32,6 +32,8 @@ DEFAULT_WIRE_RANK = 32  # columns of each factor of the ``lowrank`` codec (``--w
 # auto's activation ladder stops at int8 there; 4-bit gradients behind int8 activations stayed within 2%.
 # int3_rot/int3_rot (+0.48%, 3 seeds, gpt-medium) pays only zstd-coded and was measured only on wide models,
 # so it ends both ladders of a wide model whose codes travel zstd-coded (``forward_ladder``, ``backward_ladder``).
+# Over 600 steps int3_rot activations cost +4.9% (gpt-medium, seed 0; docs/codecs.md, "600 steps"): the last rung
+# trades loss for a link nothing else fits.
 WIRE_AUTO = "auto"
 AUTO_FORWARD_LADDER = ("bf16", "int8", "int4_rot")
 AUTO_BACKWARD_LADDER = ("bf16", "int8", "int4_rot")
