@@ -49,7 +49,7 @@ def test_the_target_is_each_seeds_fp32_loss_at_eighty_percent():
     assert out["int8/int8"]["per_seed"][1]["steps"] is None
     assert out["int8/int8"]["feedback"] == ""  # the lab check reads the run of that error feedback
     auto = [_result("fp32/fp32", 0, curve), {**_result("int3_rot/int3_rot", 0, curve), "feedback": "auto"}]
-    assert ttt.steps_to_target(auto)["int3_rot/int3_rot"]["feedback"] == "auto"  # today's default
+    assert ttt.steps_to_target(auto)["int3_rot/int3_rot"]["feedback"] == "auto"  # the run of that setting
     with pytest.raises(SystemExit, match="eval-every"):
         ttt.steps_to_target([_result("fp32/fp32", 0, [(24, 3.0), (49, 2.0)])])
 
