@@ -17,7 +17,7 @@ WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its mea
 # sync, AVX2 machine; docs/codecs.md, "600 steps"): 300 steps hid a cost that compounds. Against fp32 at step 600:
 #   lowrank/ecsq   +1.58% (sd 0.24), 17.7x fewer bytes, gap growing ~0.14 points per 100 steps
 #   int4_rot/ecsq  +1.13% (sd 0.65), 10.9x, ~0.13 points per 100 steps
-#   int3_rot/ecsq  +5.82% (2 seeds), 15.6x, ~0.9 points per 100 steps: the default until 2026-12-06; its 3-bit
+#   int3_rot/ecsq  +5.80% (sd 0.52), 15.6x, ~0.9 points per 100 steps: the default until 2026-12-06; its 3-bit
 #                  activations carry it (int3_rot/fp32 +4.91%, seed 0)
 # A wide model trained from scratch (the built-in presets: gpt-medium) sends its activations lowrank, as rank-32
 # factors: its hidden states are nearly rank 32 (docs/codecs.md, "Low rank"). A checkpoint's are not known to be, and
