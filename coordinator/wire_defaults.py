@@ -13,8 +13,9 @@ NEEDS_FEEDBACK = frozenset({"ecsq"})
 PLAIN_SIZE_OF = {"int3_rot": "int4_rot", "ecsq": "int8"}  # what a NEEDS_ZSTD codec sends without zstd
 WIRE_CHOICES = (*WIRE_CODECS, WIRE_AUTO)  # auto: each link's codec from its measured bandwidth (wire_choice.py)
 # The one place the run's wire codecs default; ``ravn plan`` reads the same: by the model's width and origin, the
-# pair with the fewest bytes whose validation loss stays within 2% of fp32 over 600 steps of gpt-medium (3 seeds,
-# sync, AVX2 machine; docs/codecs.md, "600 steps"): 300 steps hid a cost that compounds. Against fp32 at step 600:
+# pair with the fewest bytes, among the codecs that origin may send, whose validation loss stays within 2% of fp32
+# over 600 steps of gpt-medium (3 seeds, sync, AVX2 machine; docs/codecs.md, "600 steps"): 300 steps hid a cost
+# that compounds. Against fp32 at step 600:
 #   lowrank/ecsq   +1.58% (sd 0.24), 17.7x fewer bytes, gap growing ~0.14 points per 100 steps
 #   int4_rot/ecsq  +1.13% (sd 0.65), 10.9x, ~0.13 points per 100 steps
 #   int3_rot/ecsq  +5.80% (sd 0.52), 15.6x, ~0.9 points per 100 steps: the default until 2026-12-06; its 3-bit
@@ -49,7 +50,8 @@ def default_wire(d_model: int, zstd: bool = True, from_scratch: bool = False) ->
 def default_help(direction: int) -> str:
     """The default of ``--wire-forward`` (``direction`` 0) or ``--wire-backward`` (1), as help text."""
     return (
-        f"default: {DEFAULT_WIRE_SCRATCH[direction]} for gpt-medium, {DEFAULT_WIRE_WIDE[direction]} for checkpoints "
+        f"default: {DEFAULT_WIRE_SCRATCH[direction]} for built-in models {WIDE_FROM} or more wide (gpt-medium), "
+        f"{DEFAULT_WIRE_WIDE[direction]} for checkpoints "
         f"{WIDE_FROM} or more wide ({DEFAULT_WIRE_WIDE_PLAIN[direction]} for both with --wire-zstd off), "
         f"{DEFAULT_WIRE_NARROW[direction]} for narrower models"
     )
