@@ -464,8 +464,12 @@ def test_the_fuzz_target_serves_with_a_real_peers_auth_and_limits() -> None:
     """Issue 16 item 6: the target used to be a bare server; a stranger's call and a call flood prove it is not."""
 
     async def scenario(daemon: PeerDaemon, target: str) -> None:
-        async with grpc.aio.insecure_channel(target) as stranger:  # no proof
-            _, code, details, _ = await asyncio.wait_for(stream(stranger, HELLO_FRAMES), STREAM_TIMEOUT)
+        # A stranger (no proof) is refused as its call opens, before any frame is read. It writes nothing: a
+        # write racing that refusal hits the grpc.aio client bug of MASKED_STATUS (seen once in CI, 2026-12-06).
+        async with grpc.aio.insecure_channel(target) as stranger:
+            call = wgrpc.StageStub(stranger).Link()
+            code = await asyncio.wait_for(call.code(), STREAM_TIMEOUT)
+            details = await call.details()
         assert code == grpc.StatusCode.UNAUTHENTICATED, (code, details)
         codes = []
         async with raw_channel(target) as channel:  # a member over its call rate (burst 40), unpaced
