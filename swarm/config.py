@@ -7,6 +7,7 @@ and the training recipe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # 2: calls signed with the caller's record key; 3: assignments carry only the sealed plan; 4: HFConfig.quant;
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 # 10: codec LOWRANK (Tensor.rank, TrainConfig.wire_rank); error feedback 'auto' decided per link
 # 11: codec ECSQ (one step per tensor, zstd-coded int8 codes)
 # 12: ECSQ codes travel entropy-coded by rows (Compression ROWS) instead of zstd-coded
-PROTOCOL_VERSION = 12
+# 13: TrainConfig.lr_decay_steps (a peer of 12 would ignore it and train at a constant lr beside decaying ones)
+PROTOCOL_VERSION = 13
 SCHEDULES = ("sync", "async")
 DEFAULT_WIRE_RANK = 32  # columns of each factor of the ``lowrank`` codec (``--wire-rank``)
 
@@ -44,6 +46,7 @@ CODED_RUNG = "int3_rot"  # the rung below int4_rot where zstd codes the codes
 # 4% below (docs/BENCHMARKS.md, "The default recipe").
 DEFAULT_LR = 1.5e-3
 DEFAULT_GRAD_CLIP = 1.0
+LR_DECAY_FLOOR = 0.1  # --lr-decay cosine ends at a tenth of the peak, as GPT-3's and Chinchilla's recipes do
 WIDE_FROM = 256  # d_model from which 4-bit activations stay within 2% of fp32 (docs/codecs.md)
 
 
@@ -134,6 +137,7 @@ class TrainConfig:
     lr: float = DEFAULT_LR
     weight_decay: float = 0.01
     warmup_steps: int = 20
+    lr_decay_steps: int = 0  # cosine decay of the lr after the warm-up, to LR_DECAY_FLOOR at this step; 0: constant
     sync_steps: int = 60  # async: the first steps run synchronously (the warm-up at least; see admission.py)
     grad_clip: float = 0.0  # per stage; off here, as in torch's optimisers: the CLI's default is DEFAULT_GRAD_CLIP
     data: str = "stdlib"
@@ -161,6 +165,8 @@ class TrainConfig:
             raise ValueError(f"steps, micro_batches and micro_batch_size must be positive: {self}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; available: {', '.join(SCHEDULES)}")
+        if self.lr_decay_steps < 0:
+            raise ValueError(f"lr_decay_steps must not be negative, got {self.lr_decay_steps}")
         if self.max_staleness < 0 or self.max_in_flight < 0 or self.sync_steps < 0:
             raise ValueError("max_staleness, max_in_flight and sync_steps must not be negative")
         if self.average_every <= 0 or self.average_timeout <= 0 or self.outer_lr <= 0:
@@ -186,7 +192,10 @@ class TrainConfig:
         return self.max_in_flight or (self.staleness_bound + 1) * self.micro_batches
 
     def lr_at(self, step: int) -> float:
-        """Linear warm-up then constant: short runs must still learn, long ones must not diverge."""
-        if self.warmup_steps <= 0:
-            return self.lr
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps)
+        """Linear warm-up (short runs must still learn, long ones must not diverge), then constant, or a cosine
+        decay to ``LR_DECAY_FLOOR`` of the peak at step ``lr_decay_steps`` (held there after it)."""
+        warm = 1.0 if self.warmup_steps <= 0 else min(1.0, (step + 1) / self.warmup_steps)
+        if self.lr_decay_steps <= 0:
+            return self.lr * warm
+        progress = min(1.0, max(0.0, (step - self.warmup_steps) / max(1, self.lr_decay_steps - self.warmup_steps)))
+        return self.lr * warm * (LR_DECAY_FLOOR + (1.0 - LR_DECAY_FLOOR) * 0.5 * (1.0 + math.cos(math.pi * progress)))

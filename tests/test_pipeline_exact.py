@@ -18,10 +18,10 @@ from tests.conftest import read_metrics, run_ravn_local
 STEPS, MICRO_BATCHES, MBS, LR = 3, 2, 2, 3e-3
 
 
-def reference_training(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_training(steps: int, **lr_schedule: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The unsplit model trained in one process, written independently of the pipeline code."""
     cfg = MODEL_PRESETS["gpt-tiny"]
-    recipe = TrainConfig(steps=steps, micro_batches=MICRO_BATCHES, micro_batch_size=MBS, lr=LR)
+    recipe = TrainConfig(steps=steps, micro_batches=MICRO_BATCHES, micro_batch_size=MBS, lr=LR, **lr_schedule)
     model = full_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
     corpus = Corpus.load("stdlib")
@@ -43,11 +43,19 @@ def reference_training(steps: int) -> tuple[list[float], dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize(
-    "schedule",
-    [["--schedule", "sync"], ["--schedule", "async", "--max-staleness", "0"]],  # default flags otherwise
-    ids=["sync", "async-S0"],
+    ("schedule", "lr_schedule"),
+    [
+        (["--schedule", "sync"], {}),  # default flags otherwise
+        (["--schedule", "async", "--max-staleness", "0"], {}),
+        # every peer decays the lr as the recipe says: 1, 0.775, 0.325 of the peak over the 3 steps
+        (
+            ["--schedule", "sync", "--lr-decay", "cosine", "--warmup-steps", "0"],
+            {"warmup_steps": 0, "lr_decay_steps": STEPS},
+        ),
+    ],
+    ids=["sync", "async-S0", "sync-cosine"],
 )
-def test_three_peer_pipeline_matches_unsplit_model(tmp_path: Path, schedule: list[str]) -> None:
+def test_three_peer_pipeline_matches_unsplit_model(tmp_path: Path, schedule: list[str], lr_schedule: dict) -> None:
     run_ravn_local(
         tmp_path,
         "exact",
@@ -80,7 +88,7 @@ def test_three_peer_pipeline_matches_unsplit_model(tmp_path: Path, schedule: lis
     assigned = [m for m in read_metrics(run_dir) if m["kind"] == "assign"]
     assert len(assigned) == 3 and {tuple(m["layers"]) for m in assigned} == {(0, 1), (1, 2), (2, 3)}
 
-    ref_losses, ref_state = reference_training(STEPS)
+    ref_losses, ref_state = reference_training(STEPS, **lr_schedule)
     assert len(swarm_losses) == STEPS
     for got, want in zip(swarm_losses, ref_losses, strict=True):
         assert abs(got - want) <= 1e-5, (swarm_losses, ref_losses)
