@@ -118,6 +118,14 @@ def test_a_step_of_late_gradients_is_shrunk_by_their_mean_lateness_and_a_fresh_o
     assert staleness_lr_scale(0, 0) == 1.0  # a step of dropped gradients only
 
 
+def test_a_decayed_lr_is_shrunk_only_below_the_peak_over_one_plus_the_lateness() -> None:
+    """--lr-decay cosine: the cap is the peak / (1 + mean lateness); a smaller scheduled lr is not shrunk."""
+    assert staleness_lr_scale(4, 4, decayed=0.8) == 1 / (2 * 0.8)  # 0.8 of the peak, capped at half the peak
+    assert staleness_lr_scale(4, 4, decayed=0.5) == 1.0 and staleness_lr_scale(4, 4, decayed=0.2) == 1.0
+    assert staleness_lr_scale(0, 4, decayed=0.2) == 1.0  # fresh: never shrunk
+    assert staleness_lr_scale(4, 4, decayed=0.0) == 1.0  # --lr 0
+
+
 def runner(s: int) -> StageRunner:
     """The first stage of CFG (layer 0 with the embeddings), async with staleness bound ``s``."""
     tc = TrainConfig(

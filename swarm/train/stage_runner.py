@@ -386,10 +386,12 @@ class StageRunner:
 
     def step(self) -> None:
         """Apply the accumulated gradients; the weight version counts these steps."""
-        self.lr_scale = staleness_lr_scale(self._late, self._applied)
+        scheduled = self.train_cfg.lr_at(self.version)
+        decayed = scheduled / self.train_cfg.lr if self.train_cfg.lr > 0 else 1.0
+        self.lr_scale = staleness_lr_scale(self._late, self._applied, decayed)
         self._late = self._applied = 0
         for group in self.optimizer.param_groups:
-            group["lr"] = self.train_cfg.lr_at(self.version) * self.lr_scale
+            group["lr"] = scheduled * self.lr_scale
         grads = [p.grad for p in self.trainable if p.grad is not None]
         if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
             self.metrics.skipped_steps += 1  # never write NaN into the weights: drop this step's gradients
@@ -468,16 +470,20 @@ class StageRunner:
             self.start_averaging()
 
 
-def staleness_lr_scale(late: int, applied: int) -> float:
+def staleness_lr_scale(late: int, applied: int, decayed: float = 1.0) -> float:
     """The learning rate's factor for a step whose ``applied`` gradients came back ``late`` versions late in all.
 
     A gradient d versions late tolerates about 1/(1 + d) of the step size a fresh one does (delayed SGD;
     staleness-aware async SGD divides the rate by the staleness), and a step of the first stage under
-    S = 1 is mostly one version late, the last stage's never. 1/(1 + mean lateness) costs a fresh step
-    nothing, so S = 0 stays exactly sync; on gpt-small at 3e-3 it cut async S = 1's loss cost from
-    +8.4% to +3.0% (2 seeds, docs/BENCHMARKS.md).
+    S = 1 is mostly one version late, the last stage's never. So a step's lr is at most the peak over
+    (1 + the mean lateness): at the peak that is the factor 1/(1 + mean lateness), which on gpt-small at 3e-3
+    cut async S = 1's loss cost from +8.4% to +3.0% (2 seeds, docs/BENCHMARKS.md); a schedule that has
+    decayed the lr to ``decayed`` of the peak is shrunk only below that cap. A fresh step is never shrunk,
+    so S = 0 stays exactly sync.
     """
-    return 1.0 / (1.0 + late / applied) if applied else 1.0
+    if not applied or decayed <= 0:
+        return 1.0
+    return min(1.0, 1.0 / ((1.0 + late / applied) * decayed))
 
 
 def _count(targets: torch.Tensor) -> int:
