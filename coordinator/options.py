@@ -257,8 +257,9 @@ def _train_params(
         str,
         typer.Option(
             help="The lr after the warm-up: 'constant', or 'cosine' down to a tenth of the peak at the run's last "
-            "step (--steps). Over 600 steps of gpt-medium (sync, 3 seeds) cosine ended 0.7% lower than constant "
-            '(docs/BENCHMARKS.md, "A learning-rate decay").',
+            "step (--steps). Over 600 steps of gpt-medium (3 seeds) cosine ended 0.7% lower than constant with sync, "
+            "and async S = 1's cost against sync fell from +6.5% to +4.3% (docs/BENCHMARKS.md, "
+            '"A learning-rate decay").',
             callback=lambda v: _check_choice(v, LR_DECAYS, "lr decay"),
         ),
     ] = "constant",
@@ -321,8 +322,8 @@ def _train_params(
         str,
         typer.Option(
             help="'sync' (GPipe: the exact reference) or 'async' (bounded staleness: fills the pipeline's bubbles, "
-            "but its loss cost grows with training: +6.5% against sync after 600 steps of gpt-medium, "
-            "docs/BENCHMARKS.md).",
+            "but its loss cost grows with training: +6.5% against sync after 600 steps of gpt-medium, +4.3% with "
+            "--lr-decay cosine; docs/BENCHMARKS.md).",
             callback=lambda v: _check_choice(v, SCHEDULES, "schedule"),
         ),
     ] = "sync",
