@@ -256,10 +256,8 @@ def _train_params(
     lr_decay: Annotated[
         str,
         typer.Option(
-            help="The lr after the warm-up: 'constant', or 'cosine' down to a tenth of the peak at the run's last "
-            "step (--steps). Over 600 steps of gpt-medium (3 seeds) cosine ended 0.7% lower than constant with sync, "
-            "and async S = 1's cost against sync fell from +6.5% to +4.3% (docs/BENCHMARKS.md, "
-            '"A learning-rate decay").',
+            help="The lr after the warm-up: 'constant', or 'cosine' to a tenth of the peak at the last step. Over 600 "
+            "steps of gpt-medium: sync 0.7% lower, async S = 1 +4.3% above sync instead of +6.5% (docs/BENCHMARKS.md).",
             callback=lambda v: _check_choice(v, LR_DECAYS, "lr decay"),
         ),
     ] = "constant",
