@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import typer
 from typer.testing import CliRunner
 
-from coordinator.options import RunOptions, with_train_options
 from coordinator.ravn_cli import app as ravn_app
 from coordinator.wire_defaults import (
     DEFAULT_WIRE_NARROW,
@@ -26,23 +24,14 @@ from coordinator.wire_defaults import (
     default_wire,
 )
 from swarm.config import MODEL_PRESETS
+from tests.recipe_cli import recipe, refused
 from tests.test_plan_command import TINY
 
 
 def chosen(*args: str) -> tuple[str, str]:
     """The (forward, backward) codecs a run started with ``args`` would train with."""
-    app = typer.Typer()
-    seen: list[tuple[str, str]] = []
-
-    @app.command()
-    @with_train_options
-    def serve(options: RunOptions) -> None:
-        train = options.train_config()
-        seen.append((train.wire_forward, train.wire_backward))
-
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, result.output
-    return seen[0]
+    train = recipe(*args)
+    return train.wire_forward, train.wire_backward
 
 
 def test_the_rule() -> None:
@@ -73,15 +62,8 @@ def test_runs_take_the_default_of_their_model_and_keep_what_the_user_names() -> 
 
 
 def test_an_unknown_codec_is_still_refused() -> None:
-    app = typer.Typer()
-
-    @app.command()
-    @with_train_options
-    def serve(options: RunOptions) -> None:
-        raise AssertionError("must not start")
-
-    result = CliRunner().invoke(app, ["--wire-forward", "int3"])
-    assert result.exit_code == 2 and "unknown codec 'int3'" in result.output, result.output
+    output = refused("--wire-forward", "int3")
+    assert "unknown codec 'int3'" in output, output
 
 
 def test_ravn_plan_takes_the_same_default(tmp_path: Path) -> None:

@@ -6,17 +6,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import typer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
-from coordinator.options import RunOptions, with_train_options
 from swarm.config import ModelConfig, TrainConfig
 from swarm.messages import train_from_pb, train_to_pb
 from swarm.train.admission import Admission
 from swarm.train.stage_runner import StageRunner, staleness_lr_scale
 from swarm.wire.codec_policy import feeds_back
+from tests.recipe_cli import recipe
 
 CFG = ModelConfig(n_layers=2, d_model=16, n_heads=2, context=8, seed=1)
 
@@ -44,20 +42,6 @@ def test_the_warm_up_is_admitted_synchronously_then_up_to_s_steps_ahead() -> Non
             a.complete()
     # step 0 alone (sync); step 1 alone too, but step 2 (past the warm-up) may go out before step 1 is back
     assert ahead == [2, 4, 4]
-
-
-def recipe(*flags: str) -> TrainConfig:
-    """The recipe a user gets from these command-line flags and every other flag at its default."""
-    app, got = typer.Typer(), []
-
-    @app.command()
-    @with_train_options
-    def serve(options: RunOptions) -> None:
-        got.append(options.train_config())
-
-    result = CliRunner().invoke(app, list(flags))
-    assert result.exit_code == 0, result.output
-    return got[0]
 
 
 def test_async_with_zero_staleness_is_the_sync_recipe_with_default_flags() -> None:
