@@ -13,7 +13,8 @@ checkpointing's recompute reads the parameters too, so it also sees the generati
 A forward may also run on *predicted* weights (``look_ahead``): the weights expected after the updates
 that will land before its gradient comes back, so that the late gradient is nearly the one a sync
 schedule would have computed (weight prediction, as in PipeMare and SpecTrain). Those weights are kept
-the same way, under the key ``(generation, steps ahead)``; the live weights are ``(generation, 0)``.
+the same way, under the key ``(generation, steps ahead, gradients of the step in progress already in)``, as
+the prediction uses those gradients; the live weights are ``(generation, 0, 0)``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class _ParamRef:
     offset: int  # storage offset relative to the parameter's own
 
 
-Key = tuple[int, int]  # (generation, steps ahead): the weights a graph was built on
+Key = tuple[int, int, int]  # (generation, steps ahead, gradients in): the weights a graph was built on
 
 
 class KeptWeights:
@@ -52,7 +53,7 @@ class KeptWeights:
 
     @property
     def live(self) -> Key:
-        return (self.generation, 0)
+        return (self.generation, 0, 0)
 
     @property
     def held_bytes(self) -> int:
@@ -83,14 +84,17 @@ class KeptWeights:
         p = self._params[saved.name]  # during a stale backward, pointed at the kept generation
         return p.detach().as_strided(saved.size, saved.stride, p.storage_offset() + saved.offset)
 
-    def look_ahead(self, steps: int, predict: Callable[[int], dict[str, torch.Tensor] | None]) -> Key:
+    def look_ahead(self, steps: int, predict: Callable[[int], dict[str, torch.Tensor] | None], known: int = 0) -> Key:
         """The weights a forward should run on when its gradient will come back ``steps`` updates later.
 
-        ``predict(steps)`` gives them (None: no prediction possible yet, e.g. before the first update);
-        they are made once per generation and shared by every forward with the same ``steps``."""
-        key = (self.generation, steps)
-        if steps <= 0 or key in self._kept:
-            return key if steps > 0 else self.live
+        ``predict(steps)`` gives them (None: no prediction possible yet, e.g. before the first update), from
+        the moments and the ``known`` gradients of the step in progress; they are made once per generation
+        and per ``known``, and shared by every forward with the same ``steps`` and ``known``."""
+        if steps <= 0:
+            return self.live
+        key = (self.generation, steps, known)
+        if key in self._kept:
+            return key
         predicted = predict(steps)
         if predicted is None:
             return self.live

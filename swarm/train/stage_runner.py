@@ -17,6 +17,7 @@ import torch
 from swarm.config import ModelConfig, TrainConfig
 from swarm.train.kept_weights import KeptWeights
 from swarm.train.model import StageModel
+from swarm.train.weight_prediction import predict_adamw
 
 MAX_ABS_ACTIVATION = 1e6  # pre-norm hidden states of a sane model stay far below this
 IGNORE_INDEX = -100  # targets that carry no loss (e.g. prompt tokens when fine-tuning on completions)
@@ -177,7 +178,8 @@ class StageRunner:
             if self.is_last:
                 out = self.model(x_in)
             else:
-                weights = self.kept.look_ahead(self._updates_before_backward(), self._predicted_weights)
+                ahead = self._updates_before_backward()
+                weights = self.kept.look_ahead(ahead, self._predicted_weights, known=self._backwards)
                 with self.kept.using(weights), self.kept.saving():
                     out = self.model(x_in)
             self.metrics.forward += 1
@@ -254,25 +256,13 @@ class StageRunner:
         return min(bound, (self._backwards + len(self._pending)) // self.train_cfg.micro_batches)
 
     def _predicted_weights(self, steps: int) -> dict[str, torch.Tensor] | None:
-        """The trainable weights after ``steps`` more AdamW updates along the current update direction.
-
-        The direction is Adam's own (bias-corrected first moment over the root of the second) with its
-        decoupled weight decay, at the learning rates of those steps; None before the first update."""
+        """The trainable weights after ``steps`` more AdamW updates, at the learning rates of those steps,
+        the next one including the gradients of this step that are already in."""
         lr = sum(self.train_cfg.lr_at(self.version + i) for i in range(steps)) * self.lr_scale
-        predicted, names = {}, {id(p): n for n, p in self._named_trainable()}
-        with torch.no_grad():
-            for group in self.optimizer.param_groups:
-                beta1, beta2 = group["betas"]
-                for p in group["params"]:
-                    state = self.optimizer.state.get(p)
-                    if not state:
-                        return None
-                    t = float(state["step"])
-                    m_hat = state["exp_avg"] / (1 - beta1**t)
-                    denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                    w = p.detach() * (1 - lr * group["weight_decay"])
-                    predicted[names[id(p)]] = w.addcdiv_(m_hat, denom, value=-lr)
-        return predicted
+        cfg = self.train_cfg
+        return predict_adamw(
+            self.optimizer, self._named_trainable(), lr, self._backwards, cfg.micro_batches, cfg.grad_clip
+        )
 
     def model_output_shape(self, x_in: torch.Tensor) -> tuple[int, ...]:
         return (*x_in.shape[:2], self.model_cfg.d_model)

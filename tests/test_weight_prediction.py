@@ -1,0 +1,102 @@
+"""Weight prediction with the gradients of the step in progress (swarm/train/weight_prediction.py).
+
+A late micro-batch's forward runs on the weights predicted for when its gradient lands. The gradients of the
+step in progress that are already in are part of the update it lands after, so they go into the prediction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.config import ModelConfig, TrainConfig
+from swarm.train.stage_runner import StageRunner
+from swarm.train.weight_prediction import predict_adamw
+
+CFG = ModelConfig(n_layers=2, d_model=16, n_heads=2, context=8, seed=1)
+K = 4
+
+
+def first_stage() -> StageRunner:
+    tc = TrainConfig(
+        micro_batches=K, micro_batch_size=2, schedule="async", max_staleness=1, warmup_steps=0, lr=1e-2, grad_clip=1.0
+    )
+    return StageRunner(CFG, tc, 0, 1, "cpu")
+
+
+def noisy_gradient() -> torch.Tensor:
+    """Mostly noise, as a micro-batch's gradient is: a new one cannot be told from the moments. Small enough
+    that the step's norm stays under the clip, as in the measured runs."""
+    return 1e-3 * (0.05 * torch.ones(2, 8, 16) + torch.randn(2, 8, 16))
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+
+
+def test_the_gradients_already_in_bring_the_prediction_nearer_the_update() -> None:
+    torch.manual_seed(0)
+    r = first_stage()
+    x = torch.randint(0, 256, (2, 8))
+    mb = 0
+    for _ in range(30):  # fresh steps: Adam's moments exist and their bias correction is small
+        for _ in range(K):
+            r.forward(mb, x)
+            r.backward(mb, noisy_gradient())
+            mb += 1
+    misses: dict[int, list[tuple[float, float]]] = {known: [] for known in range(K)}
+    for _round in range(6):  # single updates vary with their noise: compare means
+        for known in range(K):  # a late forward with `known` gradients of the step in, then the step's update
+            for i in range(K):
+                r.forward(mb + i, x)
+            for i in range(known):
+                r.backward(mb + i, noisy_gradient())
+            late = mb + K + known
+            r.lr_scale = 1.0  # the update it lands after is fresh: predict at its rate, so only the moments differ
+            r.forward(late, x)
+            key = r._pending[late].weights
+            assert key[1:] == (1, known)  # one update ahead, made with `known` gradients in
+            with_known = {n: t.clone() for n, t in r.kept._kept[key].items()}
+            lr = r.train_cfg.lr_at(r.version) * r.lr_scale
+            moments_only = predict_adamw(r.optimizer, r._named_trainable(), lr, 0, K, r.train_cfg.grad_clip)
+            before = {n: p.detach().clone() for n, p in r._named_trainable()}
+            for i in range(known, K):
+                r.backward(mb + i, noisy_gradient())
+            after = {n: p.detach().clone() for n, p in r._named_trainable()}
+            update = distance(after, before)
+            misses[known].append((distance(with_known, after) / update, distance(moments_only, after) / update))
+            assert r.backward(late, noisy_gradient()).staleness == 1
+            mb = late + 1
+            for i in range(K - 1):  # the rest of the step the late gradient opened: the next round starts clean
+                r.forward(mb + i, x)
+                r.backward(mb + i, noisy_gradient())
+            mb += K - 1
+    mean = {known: [sum(pair[j] for pair in got) / len(got) for j in (0, 1)] for known, got in misses.items()}
+    assert mean[0][0] == mean[0][1]  # none in: the moments alone, as before
+    for known in range(1, K):
+        assert mean[known][0] < mean[known][1], mean
+    assert mean[K - 1][0] < 0.75 * mean[K - 1][1], mean  # 3 of 4 in: most of the new gradient is known
+
+
+def test_predictions_are_kept_per_gradients_in_and_let_go_with_their_graphs() -> None:
+    torch.manual_seed(0)
+    r = first_stage()
+    x = torch.randint(0, 256, (2, 8))
+    for mb in range(K):
+        r.forward(mb, x)
+        r.backward(mb, noisy_gradient())
+    for mb in range(K, 2 * K):
+        r.forward(mb, x)
+    r.backward(K, noisy_gradient())
+    r.forward(2 * K, x)  # one gradient in: one prediction
+    r.forward(2 * K + 1, x)  # shares it
+    r.backward(K + 1, noisy_gradient())
+    r.forward(2 * K + 2, x)  # two in: another
+    keys = {r._pending[m].weights for m in (2 * K, 2 * K + 1, 2 * K + 2)}
+    assert keys == {(1, 1, 1), (1, 1, 2)}
+    one = sum(p.numel() * p.element_size() for p in r.trainable)
+    assert r.kept.held_bytes == 2 * one
+    for mb in (K + 2, K + 3):
+        r.backward(mb, noisy_gradient())  # the update: the two predictions stay for their graphs
+    for mb in (2 * K, 2 * K + 1, 2 * K + 2):
+        assert r.backward(mb, noisy_gradient()).staleness == 1
+    assert r.kept.held_bytes == 0
