@@ -1,7 +1,7 @@
 """Does the asynchronous schedule with compressed wires beat sync fp32 where links are slow?
 
 Three peers in the swarm lab (each behind its own capped link, the coordinator uncapped), the
-gpt-medium GPT in 3 stages, 8 micro-batches of 4 x 128 tokens per step. At each cap every mode
+gpt-medium GPT in 3 stages, 8 micro-batches of 4 x 128 tokens per step (``--micro-batches``). At each cap every mode
 trains the same tokens on the same data; the table gives tokens/s, the speed-up over sync fp32 at
 that cap, the final validation loss and its gap to sync fp32, measured wire bytes per token and the
 per-stage bubble; the plot shows validation loss against wall-clock time, one panel per cap.
@@ -150,6 +150,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 16; 4 with --quick)")
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument(
+        "--micro-batches", type=int, default=Workload.micro_batches, help="K per step (ravn local's recipe: 4)"
+    )
+    ap.add_argument(
         "--timed-from", type=int, default=0, help="time only the steps from this one on (e.g. 20: after the warm-up)"
     )
     ap.add_argument("--quick", action="store_true", help="short runs at lan and 10mbit: a smoke test, not a result")
@@ -169,7 +172,12 @@ def main() -> None:
         sys.exit(f"the swarm lab cannot run here: {reason}")
     caps = args.caps or (["lan", "10mbit"] if args.quick else ["lan", "50mbit", "10mbit"])
     steps = args.steps or (4 if args.quick else 16)
-    workload = Workload(steps=steps, eval_every=args.eval_every or max(1, steps // 4), timed_from=args.timed_from)
+    workload = Workload(
+        steps=steps,
+        micro_batches=args.micro_batches,
+        eval_every=args.eval_every or max(1, steps // 4),
+        timed_from=args.timed_from,
+    )
     load_start = wait_for_quiet(args.max_load, args.max_wait)
     with tempfile.TemporaryDirectory(prefix="ravn-pipeline-") as tmp:
         records = run_all(caps, args.modes, workload, Path(tmp))
