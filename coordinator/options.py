@@ -257,7 +257,7 @@ def _train_params(
         str,
         typer.Option(
             help="The lr after the warm-up: 'constant', or 'cosine' to a tenth of the peak at the last step. Over 600 "
-            "steps of gpt-medium: sync 0.7% lower, async S = 1 +4.3% above sync instead of +6.5% (docs/BENCHMARKS.md).",
+            "steps of gpt-medium: sync 0.7% lower, async S = 1 +2.9% above sync instead of +4.1% (docs/BENCHMARKS.md).",
             callback=lambda v: _check_choice(v, LR_DECAYS, "lr decay"),
         ),
     ] = "constant",
@@ -320,7 +320,7 @@ def _train_params(
         str,
         typer.Option(
             help="'sync' (GPipe: the exact reference) or 'async' (bounded staleness: fills the pipeline's bubbles, "
-            "but its loss cost grows with training: +6.5% against sync after 600 steps of gpt-medium, +4.3% with "
+            "but its loss cost grows with training: +4.1% against sync after 600 steps of gpt-medium, +2.9% with "
             "--lr-decay cosine; docs/BENCHMARKS.md).",
             callback=lambda v: _check_choice(v, SCHEDULES, "schedule"),
         ),
