@@ -74,7 +74,7 @@ def test_the_gradients_already_in_bring_the_prediction_nearer_the_update() -> No
     assert mean[0][0] == mean[0][1]  # none in: the moments alone, as before
     for known in range(1, K):
         assert mean[known][0] < mean[known][1], mean
-    assert mean[K - 1][0] < 0.75 * mean[K - 1][1], mean  # 3 of 4 in: most of the new gradient is known
+    assert mean[K - 1][0] < 0.75 * mean[K - 1][1], mean  # 3 of 4 in: a quarter or more of the miss is gone
 
 
 def test_predictions_are_kept_per_gradients_in_and_let_go_with_their_graphs() -> None:

@@ -84,18 +84,20 @@ class KeptWeights:
         p = self._params[saved.name]  # during a stale backward, pointed at the kept generation
         return p.detach().as_strided(saved.size, saved.stride, p.storage_offset() + saved.offset)
 
-    def look_ahead(self, steps: int, predict: Callable[[int], dict[str, torch.Tensor] | None], known: int = 0) -> Key:
+    def look_ahead(
+        self, steps: int, predict: Callable[[int, int], dict[str, torch.Tensor] | None], known: int = 0
+    ) -> Key:
         """The weights a forward should run on when its gradient will come back ``steps`` updates later.
 
-        ``predict(steps)`` gives them (None: no prediction possible yet, e.g. before the first update), from
-        the moments and the ``known`` gradients of the step in progress; they are made once per generation
+        ``predict(steps, known)`` gives them (None: no prediction possible yet, e.g. before the first update),
+        from the moments and the ``known`` gradients of the step in progress; they are made once per generation
         and per ``known``, and shared by every forward with the same ``steps`` and ``known``."""
         if steps <= 0:
             return self.live
         key = (self.generation, steps, known)
         if key in self._kept:
             return key
-        predicted = predict(steps)
+        predicted = predict(steps, known)
         if predicted is None:
             return self.live
         self._kept[key] = predicted

@@ -255,14 +255,12 @@ class StageRunner:
             return 0
         return min(bound, (self._backwards + len(self._pending)) // self.train_cfg.micro_batches)
 
-    def _predicted_weights(self, steps: int) -> dict[str, torch.Tensor] | None:
+    def _predicted_weights(self, steps: int, known: int) -> dict[str, torch.Tensor] | None:
         """The trainable weights after ``steps`` more AdamW updates, at the learning rates of those steps,
-        the next one including the gradients of this step that are already in."""
+        the next one including the ``known`` gradients of this step that are already in."""
         lr = sum(self.train_cfg.lr_at(self.version + i) for i in range(steps)) * self.lr_scale
         cfg = self.train_cfg
-        return predict_adamw(
-            self.optimizer, self._named_trainable(), lr, self._backwards, cfg.micro_batches, cfg.grad_clip
-        )
+        return predict_adamw(self.optimizer, self._named_trainable(), lr, known, cfg.micro_batches, cfg.grad_clip)
 
     def model_output_shape(self, x_in: torch.Tensor) -> tuple[int, ...]:
         return (*x_in.shape[:2], self.model_cfg.d_model)
