@@ -27,7 +27,8 @@ def _stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _user_files(path: Path) -> list[Path]:
+def text_files(path: Path) -> list[Path]:
+    """A user's data: the file itself, or every text file under a folder, in a fixed order."""
     if path.is_file():
         return [path]
     if path.is_dir():
@@ -48,7 +49,7 @@ class Corpus:
 
     @classmethod
     def load(cls, source: str = DEFAULT_CORPUS, cap_bytes: int = STDLIB_CAP_BYTES) -> Corpus:
-        files = _stdlib_files() if source == DEFAULT_CORPUS else _user_files(Path(source).expanduser())
+        files = _stdlib_files() if source == DEFAULT_CORPUS else text_files(Path(source).expanduser())
         chunks, total = [], 0
         for f in files:
             try:

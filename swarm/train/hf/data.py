@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swarm.train.data import TEXT_SUFFIXES, VALIDATION_FRACTION
+from swarm.train.data import VALIDATION_FRACTION, text_files
 
 IGNORE_INDEX = -100
 DEFAULT_CAP_BYTES = 256 * 1024 * 1024
@@ -44,22 +44,11 @@ def load_tokenizer(path: str | Path):  # -> transformers.PreTrainedTokenizerBase
     return AutoTokenizer.from_pretrained(str(Path(path).expanduser()), local_files_only=True)
 
 
-def _files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-        if files:
-            return files
-        raise ValueError(f"no text or JSONL files under {path}")
-    raise FileNotFoundError(f"data path {path} does not exist")
-
-
 def read_records(source: str | Path, cap_bytes: int = DEFAULT_CAP_BYTES) -> list[dict[str, str]]:
     """``{"text"}`` / ``{"prompt", "completion"}`` records from JSONL lines and plain-text files, in file order."""
     records: list[dict[str, str]] = []
     total = 0
-    for f in _files(Path(source).expanduser()):
+    for f in text_files(Path(source).expanduser()):
         raw = f.read_text(encoding="utf-8", errors="replace")
         total += len(raw)
         if f.suffix.lower() == ".jsonl":
