@@ -15,6 +15,10 @@ and their scales, ecsq's codes entropy-coded by rows), and back (``tensor_from_p
 of the payload. How much the coding takes off depends on the data: these synthetic tensors compress less than
 trained boundaries do.
 
+``lowrank`` sees each tensor as the ``tokens x d_model`` matrix a boundary is (``D_MODEL`` columns) and sends it
+at the wire's default rank. Its time is the matrix products of the subspace iteration, not the values' coding;
+its error here says little, since only the synthetic activations' outlier channels are low-rank.
+
 Peers run with ``THP_MEM_ALLOC_ENABLE=1`` (``swarm/allocator.py``): half of a decode into a fresh
 64 MiB tensor is page faults without it. The benchmark therefore re-executes itself with that variable
 set unless ``--no-thp`` is given, and says which in the header.
@@ -44,13 +48,14 @@ from swarm.wire.packets import encoded_to_pb, tensor_from_pb
 
 CODECS = (
     *("fp32", "fp16", "bf16", "int8", "int4", "int4_rot", "int3_rot", "ecsq"),
-    *("int4_rot+zstd", "int3_rot+zstd", "ecsq+rows"),
+    *("lowrank", "int4_rot+zstd", "int3_rot+zstd", "ecsq+rows"),
 )
+D_MODEL = 1024  # the synthetic tensors' row width, as ``lowrank`` sees them
 TARGET_GBS = 2.0  # encode + decode, GB/s of float32 input (issue #19)
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
-def activation_like(numel: int, d_model: int = 1024, seed: int = 0) -> torch.Tensor:
+def activation_like(numel: int, d_model: int = D_MODEL, seed: int = 0) -> torch.Tensor:
     """GPT-style hidden states: N(0, 1) with 4 outlier channels scaled 20-100x."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(numel // d_model, d_model, generator=g)
@@ -131,6 +136,8 @@ def measure(name: str, x: torch.Tensor, label: str, repeats: int, block_size: in
     docstring)."""
     codec, _, coded = label.partition("+")
     options = {"block_size": block_size, "seed": 1234}
+    if codec == "lowrank":
+        x = x.view(-1, D_MODEL)
     if name == "gradients":  # as a stage sends them: fp32 scales first where its last gradient needed them
         options["small"] = len(encode(x, codec, **options).scales) == 4 * -(-x.numel() // block_size)
     if coded:
