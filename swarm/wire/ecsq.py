@@ -18,6 +18,11 @@ so no code is clamped and every value decodes within ``step / 2`` of what was se
 the relative error ``int3_rot`` has on Gaussian data (0.25): the same precision where both fit the data.
 The codes are meant to travel entropy-coded by rows (``swarm.wire.row_coding``; plain they are int8's size).
 
+On CPU a tensor larger than ``CPU_CHUNK_ELEMS`` is streamed through in chunks, as ``swarm.wire.quantize`` does, so
+the temporaries stay in cache: encode and decode are elementwise, so the codes and values are the same to the
+bit; only the rms's float64 sum of squares runs chunk by chunk in another order (a tensor of one chunk or less,
+such as gpt-medium's 512 x 256 boundary, takes the one-pass path). 64 MiB on one core: ~2x faster.
+
 Nothing here validates input: ``swarm.wire.codecs`` does that before calling in.
 """
 
@@ -26,6 +31,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from swarm.wire.quantize import CPU_CHUNK_ELEMS
 
 STEP_PER_RMS = 0.87  # step / rms(x): relative error 0.25 on Gaussian data, int3_rot's there
 LEVEL = 127  # the largest |code| the encoder writes (a decoder accepts any int8)
@@ -38,20 +45,45 @@ def step_of(flat: torch.Tensor, absmax: float) -> float:
     empty or all-zero one)."""
     if not flat.numel() or absmax == 0.0:
         return 0.0
-    rms = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) / math.sqrt(flat.numel())
+    rms = math.sqrt(_sum_of_squares(flat) / flat.numel())
     step = max(STEP_PER_RMS * rms, absmax / LEVEL, MIN_STEP)
     return float(torch.tensor(step, dtype=torch.float32))  # what travels (a code moves by < 1e-6 at most)
 
 
+def _sum_of_squares(flat: torch.Tensor) -> float:
+    if not flat.is_cpu or flat.numel() <= CPU_CHUNK_ELEMS:
+        return float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2
+    buf = torch.empty(CPU_CHUNK_ELEMS, dtype=torch.float64)
+    total = 0.0
+    for chunk in flat.split(CPU_CHUNK_ELEMS):
+        b = buf[: chunk.numel()].copy_(chunk)
+        total += float(torch.dot(b, b))
+    return total
+
+
 def encode(flat: torch.Tensor, step: float, out: torch.Tensor | None) -> torch.Tensor:
     """int8 codes of ``flat`` at ``step`` (> 0), written into ``out`` when given (int8, ``flat.numel()``)."""
-    scaled = flat.float() * (1.0 / step)
-    scaled.round_().clamp_(-LEVEL, LEVEL)  # the clamp only guards float rounding at absmax / step ~ 127
     if out is None:
-        return scaled.to(torch.int8)
-    return out.copy_(scaled)
+        out = torch.empty(flat.numel(), dtype=torch.int8, device=flat.device)
+    chunk = CPU_CHUNK_ELEMS if flat.is_cpu else max(1, flat.numel())
+    scaled = torch.empty(min(chunk, flat.numel()), device=flat.device)
+    for src, dst in zip(flat.split(chunk), out.split(chunk), strict=True):
+        s = scaled[: src.numel()]
+        if src.dtype == torch.float32:
+            torch.mul(src, 1.0 / step, out=s)
+        else:  # fp16 / bf16 in: scaled in float32, as the one-pass form did
+            s.copy_(src).mul_(1.0 / step)
+        s.round_().clamp_(-LEVEL, LEVEL)  # the clamp only guards float rounding at absmax / step ~ 127
+        dst.copy_(s)
+    return out
 
 
 def decode(codes: torch.Tensor, step: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``codes * step`` as ``dtype`` on ``device`` (codes: int8, any device)."""
-    return (codes.to(device).float() * step).to(dtype)
+    codes = codes.to(device)
+    if dtype != torch.float32 or not codes.is_cpu or codes.numel() <= CPU_CHUNK_ELEMS:
+        return (codes.float() * step).to(dtype)
+    out = torch.empty(codes.numel(), dtype=dtype)
+    for src, dst in zip(codes.split(CPU_CHUNK_ELEMS), out.split(CPU_CHUNK_ELEMS), strict=True):
+        torch.mul(src, step, out=dst)  # int8 times a float scalar promotes to float32, as .float() * step does
+    return out
