@@ -90,6 +90,26 @@ def test_on_tokens_of_spread_magnitudes_it_sends_fewer_bytes_at_less_error_than_
     assert sizes["ecsq"] < 0.8 * sizes["int3_rot"], sizes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("extra", [0, 1, 12345])
+def test_tensors_over_a_chunk_code_as_the_one_pass_form_does(dtype: torch.dtype, extra: int) -> None:
+    """On CPU a tensor larger than a chunk is streamed chunk by chunk: the same codes, values and step."""
+    n = 3 * ecsq.CPU_CHUNK_ELEMS + extra
+    x = (token_gradients(n // 64 + 1, 64, seed=extra).reshape(-1)[:n] * 1e6).to(dtype)
+    flat = x.float()
+    absmax = float(flat.abs().max())
+    step = ecsq.step_of(x, absmax)
+    rms = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) / math.sqrt(n)
+    assert step == float(torch.tensor(max(ecsq.STEP_PER_RMS * rms, absmax / ecsq.LEVEL), dtype=torch.float32))
+    codes = ecsq.encode(x, step, None)
+    assert torch.equal(codes, (flat * (1.0 / step)).round_().clamp_(-ecsq.LEVEL, ecsq.LEVEL).to(torch.int8))
+    into = torch.empty(n, dtype=torch.int8)
+    assert ecsq.encode(x, step, into) is into and torch.equal(into, codes)
+    for out_dtype in (torch.float32, dtype):
+        back = ecsq.decode(codes, step, out_dtype, torch.device("cpu"))
+        assert back.dtype == out_dtype and torch.equal(back, (codes.float() * step).to(out_dtype))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_is_refused(bad: float) -> None:
     x = torch.randn(100)
