@@ -45,9 +45,8 @@ def predict_adamw(
                 for (_, p), m in zip(named_params, first_moments, strict=True)
             ]
             clip = 1.0
-            if grad_clip > 0:
-                norm = float(torch.stack(torch._foreach_norm(step_grads)).norm())
-                clip = min(1.0, grad_clip / (norm + 1e-6))
+            if grad_clip > 0:  # the factor torch.nn.utils.clip_grad_norm_ will apply at the step
+                clip = min(1.0, grad_clip / (float(torch.nn.utils.get_total_norm(step_grads)) + 1e-6))
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     predicted = {}
     with torch.no_grad():
