@@ -37,6 +37,60 @@ def test_any_codes_come_back_exactly(rows: int, row: int, spread: float, seed: i
     assert row_coding.decompress(data, codes.size, row) == codes.tobytes()
 
 
+def reference_compress(codes: np.ndarray, row: int) -> bytes:
+    """The layout as first written (one boolean mask per class): what peers of the first protocol 12 sent."""
+    if not codes.size:
+        return b""
+    q = codes.reshape(-1, row).astype(np.int32)
+    keys = reference_class_keys(q)
+    classes, of_row = np.unique(keys, return_inverse=True)
+    head = [np.array(q.shape, dtype="<u4").tobytes(), np.uint8(len(classes)).tobytes()]
+    parts = []
+    for c in range(len(classes)):
+        sym = q[of_row == c].reshape(-1)
+        lo = int(sym.min())
+        weights = row_coding._scaled(np.bincount(sym - lo))
+        head += [np.int8(lo).tobytes(), np.uint8(len(weights) - 1).tobytes(), weights.tobytes()]
+        parts.append((sym - lo, weights))
+    row_weights = np.bincount(of_row, minlength=len(classes))
+    row_weights = np.maximum(row_weights * 65535 // row_weights.max(), row_weights > 0).astype("<u2")
+    head.append(row_weights.tobytes())
+    ans = row_coding.AnsCoder()
+    for sym, weights in reversed(parts):
+        if len(weights) > 1:
+            ans.encode_reverse(sym, row_coding._model(weights))
+    if len(classes) > 1:
+        ans.encode_reverse(of_row.astype(np.int32), row_coding._model(row_weights))
+    return b"".join(head) + ans.get_compressed().astype("<u4").tobytes()
+
+
+def reference_class_keys(q: np.ndarray) -> np.ndarray:
+    mean = np.abs(q.astype(np.int32)).mean(axis=1)
+    with np.errstate(divide="ignore"):
+        half_octaves = np.round(2.0 * np.log2(mean))
+    return np.clip(np.nan_to_num(half_octaves, neginf=row_coding._QUIETEST), row_coding._QUIETEST, row_coding._LOUDEST)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    row=st.integers(1, 70),
+    spread=st.floats(0.0, 12.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_bytes_are_the_first_layouts(rows: int, row: int, spread: float, seed: int) -> None:
+    """The one-gather coder (2026-12-06) writes the bytes the one-mask-per-class coder wrote, and reads them:
+    peers of either build understand each other."""
+    rng = np.random.default_rng(seed)
+    scale = 2.0 ** rng.uniform(-spread, 7, size=(rows, 1))
+    codes = np.clip(np.round(rng.laplace(size=(rows, row)) * scale), -128, 127).astype(np.int8)
+    codes[rng.random(rows) < 0.2] = 0
+    assert np.array_equal(row_coding._class_keys(codes), reference_class_keys(codes))
+    data = reference_compress(codes.reshape(-1), row)
+    assert row_coding.compress(codes.reshape(-1), row) == data
+    assert row_coding.decompress(data, codes.size, row) == codes.tobytes()
+
+
 def test_the_extremes_come_back_exactly() -> None:
     for codes in (
         np.full(300, -128, np.int8),  # a code the encoder never writes, but any int8 round-trips

@@ -49,19 +49,22 @@ def compress(codes: np.ndarray, row: int) -> bytes:
     """The row-coded form of ``codes`` (int8, C order), read as rows of ``row`` codes."""
     if not codes.size:
         return b""
-    q = codes.reshape(-1, row).astype(np.int32)
-    keys = _class_keys(q)
-    classes, of_row = np.unique(keys, return_inverse=True)
+    q = codes.reshape(-1, row)
+    classes, of_row = np.unique(_class_keys(q), return_inverse=True)
+    counts = np.bincount(of_row, minlength=len(classes))
+    # the rows class by class (row order within a class), in one gather: each class's codes are a slice
+    grouped = q[np.argsort(of_row, kind="stable")].reshape(-1).astype(np.int32)
     head = [np.array(q.shape, dtype="<u4").tobytes(), np.uint8(len(classes)).tobytes()]
     parts = []
+    ends = np.cumsum(counts) * row
     for c in range(len(classes)):
-        sym = q[of_row == c].reshape(-1)
+        sym = grouped[ends[c] - counts[c] * row : ends[c]]
         lo = int(sym.min())
-        weights = _scaled(np.bincount(sym - lo))
+        sym -= lo
+        weights = _scaled(np.bincount(sym))
         head += [np.int8(lo).tobytes(), np.uint8(len(weights) - 1).tobytes(), weights.tobytes()]
-        parts.append((sym - lo, weights))
-    row_weights = np.bincount(of_row, minlength=len(classes))
-    row_weights = np.maximum(row_weights * 65535 // row_weights.max(), row_weights > 0).astype("<u2")
+        parts.append((sym, weights))
+    row_weights = np.maximum(counts * 65535 // counts.max(), counts > 0).astype("<u2")
     head.append(row_weights.tobytes())
     ans = AnsCoder()  # a stack: what is decoded first is encoded last
     for sym, weights in reversed(parts):
@@ -109,24 +112,32 @@ def decompress(data: bytes, n: int, row: int) -> bytes:
     try:
         dec = AnsCoder(np.frombuffer(buf[at:], dtype="<u4").astype(np.uint32))
         of_row = dec.decode(_model(row_weights), m) if k > 1 else np.zeros(m, dtype=np.int32)
-        out = np.empty((m, row), dtype=np.int8)
+        counts = np.bincount(of_row, minlength=k)
+        grouped = np.empty(m * row, dtype=np.int8)  # the rows class by class, as compress ordered them
+        end = 0
         for c, (lo, weights) in enumerate(ranges):
-            rows = of_row == c
-            count = int(rows.sum())
-            if not count:
+            start, end = end, end + int(counts[c]) * row
+            if start == end:
                 continue
-            sym = dec.decode(_model(weights), count * row) if len(weights) > 1 else np.zeros(count * row, np.int32)
-            out[rows] = (sym + lo).astype(np.int8).reshape(count, row)
+            if len(weights) > 1:
+                np.add(dec.decode(_model(weights), end - start), lo, out=grouped[start:end], casting="unsafe")
+            else:
+                grouped[start:end] = lo
         exhausted = dec.is_empty()
     except (ValueError, RuntimeError) as e:
         raise RowCodingError(f"row-coded words do not decode: {e}") from None
     if not exhausted:
         raise RowCodingError("row-coded words go on past the tensor's codes")
+    if k == 1:
+        return grouped.tobytes()
+    out = np.empty((m, row), dtype=np.int8)
+    out[np.argsort(of_row, kind="stable")] = grouped.reshape(m, row)
     return out.tobytes()
 
 
 def _class_keys(q: np.ndarray) -> np.ndarray:
-    mean = np.abs(q).mean(axis=1)
+    # each row's mean |code|, exactly as a float64 mean of the codes' magnitudes gives it (integer sums are exact)
+    mean = np.abs(q, dtype=np.int16).sum(axis=1, dtype=np.int64) / q.shape[1]
     with np.errstate(divide="ignore"):
         half_octaves = np.round(2.0 * np.log2(mean))
     return np.clip(np.nan_to_num(half_octaves, neginf=_QUIETEST), _QUIETEST, _LOUDEST).astype(np.int32)
