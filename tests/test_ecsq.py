@@ -119,6 +119,15 @@ def test_non_finite_input_is_refused(bad: float) -> None:
             encode(x, "ecsq", allow_nonfinite=allow)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_past_the_first_chunk_is_refused(bad: float) -> None:
+    """A tensor of several chunks is checked whole, not only in its first chunk."""
+    x = torch.randn(3 * ecsq.CPU_CHUNK_ELEMS + 5)
+    x[2 * ecsq.CPU_CHUNK_ELEMS + 3] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        encode(x, "ecsq")
+
+
 def test_values_whose_step_would_overflow_a_code_are_refused() -> None:
     with pytest.raises(CodecError, match="too large for codec ecsq"):
         encode(torch.full((10,), 3e38), "ecsq")
