@@ -15,9 +15,11 @@ and their scales, ecsq's codes entropy-coded by rows), and back (``tensor_from_p
 of the payload. How much the coding takes off depends on the data: these synthetic tensors compress less than
 trained boundaries do.
 
-``lowrank`` sees each tensor as the ``tokens x d_model`` matrix a boundary is (``D_MODEL`` columns) and sends it
-at the wire's default rank. Its time is the matrix products of the subspace iteration, not the values' coding;
-its error here says little, since only the synthetic activations' outlier channels are low-rank.
+``lowrank`` and ``ecsq`` see each tensor as the ``tokens x d_model`` matrix a boundary is (``D_MODEL`` columns):
+the row coder codes its rows (before 2026-12-06 ``ecsq+rows`` coded the flat tensor as one row of 16 M codes,
+which no boundary sends). ``lowrank`` sends it at the wire's default rank. Its time is the matrix products of the
+subspace iteration, not the values' coding; its error here says little, since only the synthetic activations'
+outlier channels are low-rank.
 
 Peers run with ``THP_MEM_ALLOC_ENABLE=1`` (``swarm/allocator.py``): half of a decode into a fresh
 64 MiB tensor is page faults without it. The benchmark therefore re-executes itself with that variable
@@ -136,7 +138,7 @@ def measure(name: str, x: torch.Tensor, label: str, repeats: int, block_size: in
     docstring)."""
     codec, _, coded = label.partition("+")
     options = {"block_size": block_size, "seed": 1234}
-    if codec == "lowrank":
+    if codec in ("lowrank", "ecsq"):  # a boundary's tokens x d_model matrix: lowrank factors it, rows code its rows
         x = x.view(-1, D_MODEL)
     if name == "gradients":  # as a stage sends them: fp32 scales first where its last gradient needed them
         options["small"] = len(encode(x, codec, **options).scales) == 4 * -(-x.numel() // block_size)
