@@ -24,7 +24,7 @@ class ModelConfig(_message.Message):
     def __init__(self, n_layers: _Optional[int] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., vocab_size: _Optional[int] = ..., context: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "max_in_flight", "checkpoint_every", "average_every", "average_codec", "outer_lr", "outer_momentum", "average_timeout", "error_feedback_backward", "wire_forward_auto", "wire_backward_auto", "wire_zstd", "sync_steps", "wire_rank", "error_feedback_backward_auto", "lr_decay_steps")
+    __slots__ = ("micro_batches", "micro_batch_size", "lr", "weight_decay", "data_seed", "data", "eval_every", "eval_batches", "schedule", "wire_forward", "wire_backward", "warmup_steps", "grad_clip", "max_staleness", "max_in_flight", "checkpoint_every", "average_every", "average_codec", "outer_lr", "outer_momentum", "average_timeout", "error_feedback_backward", "wire_forward_auto", "wire_backward_auto", "wire_zstd", "sync_steps", "wire_rank", "error_feedback_backward_auto", "lr_decay_steps", "train_samples", "wire_forward_delta", "delta_cache_bytes", "delta_spill_bytes")
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,10 @@ class TrainConfig(_message.Message):
     WIRE_RANK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FEEDBACK_BACKWARD_AUTO_FIELD_NUMBER: _ClassVar[int]
     LR_DECAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FORWARD_DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SPILL_BYTES_FIELD_NUMBER: _ClassVar[int]
     micro_batches: int
     micro_batch_size: int
     lr: float
@@ -83,7 +87,11 @@ class TrainConfig(_message.Message):
     wire_rank: int
     error_feedback_backward_auto: bool
     lr_decay_steps: int
-    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., average_every: _Optional[int] = ..., average_codec: _Optional[_Union[_wire_pb2.Codec, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_timeout: _Optional[float] = ..., error_feedback_backward: _Optional[bool] = ..., wire_forward_auto: _Optional[bool] = ..., wire_backward_auto: _Optional[bool] = ..., wire_zstd: _Optional[bool] = ..., sync_steps: _Optional[int] = ..., wire_rank: _Optional[int] = ..., error_feedback_backward_auto: _Optional[bool] = ..., lr_decay_steps: _Optional[int] = ...) -> None: ...
+    train_samples: int
+    wire_forward_delta: str
+    delta_cache_bytes: int
+    delta_spill_bytes: int
+    def __init__(self, micro_batches: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., data_seed: _Optional[int] = ..., data: _Optional[str] = ..., eval_every: _Optional[int] = ..., eval_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., wire_forward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., wire_backward: _Optional[_Union[_wire_pb2.Codec, str]] = ..., warmup_steps: _Optional[float] = ..., grad_clip: _Optional[float] = ..., max_staleness: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., average_every: _Optional[int] = ..., average_codec: _Optional[_Union[_wire_pb2.Codec, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., average_timeout: _Optional[float] = ..., error_feedback_backward: _Optional[bool] = ..., wire_forward_auto: _Optional[bool] = ..., wire_backward_auto: _Optional[bool] = ..., wire_zstd: _Optional[bool] = ..., sync_steps: _Optional[int] = ..., wire_rank: _Optional[int] = ..., error_feedback_backward_auto: _Optional[bool] = ..., lr_decay_steps: _Optional[int] = ..., train_samples: _Optional[int] = ..., wire_forward_delta: _Optional[str] = ..., delta_cache_bytes: _Optional[int] = ..., delta_spill_bytes: _Optional[int] = ...) -> None: ...
 
 class HFConfig(_message.Message):
     __slots__ = ("path", "dtype", "lora_rank", "lora_alpha", "lora_targets", "config_sha256", "quant", "activation_checkpointing")

@@ -38,6 +38,12 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ZSTD: _ClassVar[Compression]
     ZSTD_PLANES: _ClassVar[Compression]
     ROWS: _ClassVar[Compression]
+
+class Cache(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_NONE: _ClassVar[Cache]
+    CACHE_STORE: _ClassVar[Cache]
+    CACHE_DELTA: _ClassVar[Cache]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -61,6 +67,9 @@ COMPRESSION_NONE: Compression
 ZSTD: Compression
 ZSTD_PLANES: Compression
 ROWS: Compression
+CACHE_NONE: Cache
+CACHE_STORE: Cache
+CACHE_DELTA: Cache
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "dtype", "codec", "payload", "scales", "block_size", "seed", "compression", "scales_compression", "rank")
@@ -87,28 +96,32 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., block_size: _Optional[int] = ..., seed: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., scales_compression: _Optional[_Union[Compression, str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("id", "step", "index", "weight_version", "eval")
+    __slots__ = ("id", "step", "index", "weight_version", "eval", "samples")
     ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     EVAL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     id: int
     step: int
     index: int
     weight_version: int
     eval: bool
-    def __init__(self, id: _Optional[int] = ..., step: _Optional[int] = ..., index: _Optional[int] = ..., weight_version: _Optional[int] = ..., eval: _Optional[bool] = ...) -> None: ...
+    samples: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., step: _Optional[int] = ..., index: _Optional[int] = ..., weight_version: _Optional[int] = ..., eval: _Optional[bool] = ..., samples: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Activations(_message.Message):
-    __slots__ = ("mb", "hidden", "targets")
+    __slots__ = ("mb", "hidden", "targets", "cache")
     MB_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     mb: MicroBatch
     hidden: Tensor
     targets: Tensor
-    def __init__(self, mb: _Optional[_Union[MicroBatch, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    cache: Cache
+    def __init__(self, mb: _Optional[_Union[MicroBatch, _Mapping]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., targets: _Optional[_Union[Tensor, _Mapping]] = ..., cache: _Optional[_Union[Cache, str]] = ...) -> None: ...
 
 class Gradients(_message.Message):
     __slots__ = ("mb", "grad", "loss_sum", "tokens", "dropped")
