@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
+from coordinator.option_checks import check_choice, check_model, check_name, config_error
+from coordinator.train_data_options import TRAIN_DATA_PARAMS, TrainDataOptions, train_data_options
 from coordinator.wire_defaults import (
     NEEDS_FEEDBACK,
     NEEDS_ZSTD,
@@ -81,6 +83,7 @@ class RunOptions:
     warmup_steps: int = 20
     sync_steps: int = 60
     lr_decay: str = "constant"
+    train_data: TrainDataOptions = TrainDataOptions()
 
     @property
     def is_checkpoint(self) -> bool:
@@ -178,16 +181,11 @@ class RunOptions:
             average_codec=self.average_codec,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
+            **self.train_data.train_config_fields(),
         )
 
     def run_name(self) -> str:
         return self.name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
-
-
-def config_error(message: str, code: int = 2) -> NoReturn:
-    """A configuration mistake: one ``error:`` line on stderr and a non-zero exit, never a traceback."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 def checked_configs(options: RunOptions) -> tuple[ModelConfig, HFConfig | None]:
@@ -207,35 +205,12 @@ def checked_configs(options: RunOptions) -> tuple[ModelConfig, HFConfig | None]:
         config_error(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
 
 
-def _check_model(value: str) -> str:
-    if value in MODEL_PRESETS:
-        return value
-    if Path(value).expanduser().is_dir():  # the checkpoint preflight names what is wrong with it
-        return value
-    raise typer.BadParameter(
-        f"{value!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a Hugging Face "
-        "checkpoint directory (with config.json)"
-    )
-
-
-def _check_choice(value: str, choices: tuple[str, ...], what: str) -> str:
-    if value not in choices:
-        raise typer.BadParameter(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
-    return value
-
-
-def _check_name(value: str) -> str:
-    if value and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", value):
-        raise typer.BadParameter("use letters, digits, '.', '_' or '-' (at most 64 characters)")
-    return value
-
-
 def _train_params(
     model: Annotated[
         str,
         typer.Option(
             help=f"Model preset ({', '.join(MODEL_PRESETS)}) or a local Hugging Face checkpoint directory.",
-            callback=_check_model,
+            callback=check_model,
         ),
     ] = "gpt-small",
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps to train.")] = 300,
@@ -258,7 +233,7 @@ def _train_params(
         typer.Option(
             help="The lr after the warm-up: 'constant', or 'cosine' to a tenth of the peak at the last step. Over 600 "
             "steps of gpt-medium: sync 0.7% lower, async S = 1 +2.9% above sync instead of +4.1% (docs/BENCHMARKS.md).",
-            callback=lambda v: _check_choice(v, LR_DECAYS, "lr decay"),
+            callback=lambda v: check_choice(v, LR_DECAYS, "lr decay"),
         ),
     ] = "constant",
     data: Annotated[
@@ -272,7 +247,7 @@ def _train_params(
         typer.Option(
             help=f"Codec for activations: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth; "
             f"{default_help(0)}).",
-            callback=lambda v: v if v is None else _check_choice(v, WIRE_CHOICES, "codec"),
+            callback=lambda v: v if v is None else check_choice(v, WIRE_CHOICES, "codec"),
             show_default=False,
         ),
     ] = None,
@@ -281,7 +256,7 @@ def _train_params(
         typer.Option(
             help=f"Codec for gradients: {', '.join(WIRE_CHOICES)} (auto: per link, from its measured bandwidth; "
             f"{default_help(1)}).",
-            callback=lambda v: v if v is None else _check_choice(v, WIRE_CHOICES, "codec"),
+            callback=lambda v: v if v is None else check_choice(v, WIRE_CHOICES, "codec"),
             show_default=False,
         ),
     ] = None,
@@ -293,7 +268,7 @@ def _train_params(
             "ecsq (the default from width 256, which needs it), int3_rot (with --wire-backward auto, on the links "
             "that pick it; at the default recipe error feedback took its loss cost on gpt-medium from +3.2% to "
             "+2.0%, docs/BENCHMARKS.md) or lowrank, off otherwise (no measured gain).",
-            callback=lambda v: _check_choice(v, FEEDBACK_MODES, "setting"),
+            callback=lambda v: check_choice(v, FEEDBACK_MODES, "setting"),
         ),
     ] = "auto",
     wire_zstd: Annotated[
@@ -303,7 +278,7 @@ def _train_params(
             "by rows, losslessly: on gpt-medium 348-375 instead of 570 bytes per token (int4_rot), for ~0.2 ms "
             "per micro-batch tensor (docs/codecs.md); 'off': as the codec makes them (int3_rot and ecsq need 'on', "
             "so the default from width 256 is then int4_rot).",
-            callback=lambda v: _check_choice(v, ON_OFF, "setting"),
+            callback=lambda v: check_choice(v, ON_OFF, "setting"),
         ),
     ] = "on",
     wire_rank: Annotated[
@@ -322,7 +297,7 @@ def _train_params(
             help="'sync' (GPipe: the exact reference) or 'async' (bounded staleness: fills the pipeline's bubbles, "
             "but its loss cost grows with training: +4.1% against sync after 600 steps of gpt-medium, +2.9% with "
             "--lr-decay cosine; docs/BENCHMARKS.md).",
-            callback=lambda v: _check_choice(v, SCHEDULES, "schedule"),
+            callback=lambda v: check_choice(v, SCHEDULES, "schedule"),
         ),
     ] = "sync",
     max_staleness: Annotated[
@@ -366,7 +341,7 @@ def _train_params(
         typer.Option(
             help="'full' (built-in GPT) or 'lora' (adapters over a frozen Hugging Face checkpoint; "
             "the default for checkpoints).",
-            callback=lambda v: _check_choice(v, ("", "full", "lora"), "finetune mode"),
+            callback=lambda v: check_choice(v, ("", "full", "lora"), "finetune mode"),
         ),
     ] = "",
     lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank.")] = 16,
@@ -379,7 +354,7 @@ def _train_params(
         str,
         typer.Option(
             help="Frozen base weights: bf16, fp16 or fp32.",
-            callback=lambda v: _check_choice(v, ("bf16", "fp16", "fp32"), "dtype"),
+            callback=lambda v: check_choice(v, ("bf16", "fp16", "fp32"), "dtype"),
         ),
     ] = "bf16",
     quant: Annotated[
@@ -387,7 +362,7 @@ def _train_params(
         typer.Option(
             help="Frozen base in memory: none (in --dtype), int8 (per-channel) or nf4 (QLoRA's 4-bit NormalFloat); "
             "dequantised per matmul.",
-            callback=lambda v: _check_choice(v, BASE_QUANTS, "quant"),
+            callback=lambda v: check_choice(v, BASE_QUANTS, "quant"),
         ),
     ] = "none",
     activation_checkpointing: Annotated[
@@ -404,7 +379,7 @@ def _train_params(
         ),
     ] = 0,
     name: Annotated[
-        str, typer.Option(help="Run name; artefacts go to RUNS_DIR/NAME (default: a timestamp).", callback=_check_name)
+        str, typer.Option(help="Run name; artefacts go to RUNS_DIR/NAME (default: a timestamp).", callback=check_name)
     ] = "",
     runs_dir: Annotated[Path, typer.Option(help="Folder that holds the runs.")] = Path("runs"),
     stages: Annotated[
@@ -430,7 +405,7 @@ def _train_params(
         str,
         typer.Option(
             help=f"Codec of the averaged parameter changes: {', '.join(AVERAGE_CODECS)}.",
-            callback=lambda v: _check_choice(v, AVERAGE_CODECS, "codec"),
+            callback=lambda v: check_choice(v, AVERAGE_CODECS, "codec"),
         ),
     ] = "int8",
     outer_lr: Annotated[
@@ -492,9 +467,10 @@ def with_train_options(fn):
     @functools.wraps(fn)
     def wrapper(**kwargs):
         train = {p.name: kwargs.pop(p.name) for p in _TRAIN_PARAMS}
-        return fn(options=_train_params(**train), **kwargs)
+        data = train_data_options(**{p.name: kwargs.pop(p.name) for p in TRAIN_DATA_PARAMS})
+        return fn(options=dataclasses.replace(_train_params(**train), train_data=data), **kwargs)
 
-    params = own + _TRAIN_PARAMS
+    params = own + _TRAIN_PARAMS + TRAIN_DATA_PARAMS
     wrapper.__signature__ = inspect.Signature(params)
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper

@@ -21,7 +21,8 @@ from rich.live import Live
 
 from coordinator.local_swarm import run_local
 from coordinator.membership import Membership, MembershipSettings
-from coordinator.options import RunOptions, checked_configs, config_error, with_train_options
+from coordinator.option_checks import config_error
+from coordinator.options import RunOptions, checked_configs, with_train_options
 from coordinator.plan_command import plan
 from coordinator.run_settings import RunSettings
 from coordinator.status_data import SwarmStatus

@@ -24,7 +24,7 @@ from swarm.config import HFConfig, ModelConfig, TrainConfig
 from swarm.pb import control_pb2 as cpb
 from swarm.pb import wire_pb2 as pb
 from swarm.train.admission import Admission, PipeWindow
-from swarm.train.data import Corpus
+from swarm.train.data import Corpus, epoch_samples
 
 log = logging.getLogger(__name__)
 REPORT_FLUSH_TIMEOUT = 15.0  # seconds for the step reports that precede a failure (one report call: 10 s)
@@ -111,6 +111,17 @@ class Driver:
             context=self.model.context,
         )
 
+    def _train_batch(self, mb: pb.MicroBatch):
+        """Micro-batch ``mb``'s sequences: fresh windows, or (``--train-samples``) the fixed set's next ones,
+        whose indices ``mb`` then carries down the pipeline."""
+        t = self.train
+        if not t.train_samples:
+            return self._batch("train", mb.step, mb.index)
+        position = (mb.step * t.micro_batches + mb.index) * t.micro_batch_size
+        ids = epoch_samples(t.data_seed, t.train_samples, position, t.micro_batch_size)
+        mb.samples.extend(ids)
+        return self.corpus.samples(seed=t.data_seed, ids=ids, context=self.model.context)
+
     def _eval_due(self, step: int) -> bool:
         return bool(self.train.eval_every) and (step + 1) % self.train.eval_every == 0
 
@@ -144,8 +155,8 @@ class Driver:
                 if self._stop:
                     break
                 adm.admit()
-                x, y = self._batch("train", step, index)
                 mb = self._mb(step, index)
+                x, y = self._train_batch(mb)
                 if self.window is not None:
                     self._admitted_at[mb.id] = time.monotonic()
                 await self._forward(mb, x, y)
@@ -201,7 +212,7 @@ class Driver:
         if runner.is_last:  # a single-stage swarm: the loss is already here
             self._account(mb, result.loss_sum, result.tokens, dropped=False)
             return
-        packet = await stage.compute(stage.policy.activations, mb, result.output, y, priority=FORWARD)
+        packet = await stage.compute(stage.outgoing, mb, result.output, y, priority=FORWARD)
         if not stage.closed:
             await stage.send_down(packet)
 

@@ -37,6 +37,7 @@ from swarm.train.stage_runner import StageRunner
 from swarm.wire.codec_policy import WirePolicy
 from swarm.wire.packets import WireError
 from swarm.wire.receive_bounds import link_bounds
+from swarm.wire.sample_deltas import NotCached, SampleDeltas
 from swarm.wire.sanity import DAEMON_SETTINGS, LinkSanity, Quarantine, SanityError
 from swarm.wire.transport import Link, LinkClosed, hello_packet
 
@@ -98,6 +99,10 @@ class Stage:
             zstd=self.train_cfg.wire_zstd,
             rank=self.train_cfg.wire_rank,
         )
+        t = self.train_cfg  # activations of returning samples sent as changes (--wire-forward-delta)
+        delta = t.wire_forward_delta
+        self.deltas = SampleDeltas(delta, t.delta_cache_bytes, t.delta_spill_bytes) if delta else None
+        self._unsent: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # encoded once routed: deltas
         self.sanity = LinkSanity(DAEMON_SETTINGS, hooks.quarantine)  # per-link norms; quarantines poisoners
         self.links = Links(set(view.downstreams))
         self.replicas = ReplicaSet(
@@ -287,7 +292,7 @@ class Stage:
         if kind == "activations":
             if not self.links.is_from(UPSTREAM, sender, link):
                 raise WireError("activations may only come from an upstream neighbour")
-            await self._on_activations(packet.activations, sender)
+            await self._on_activations(packet.activations, sender, link)
         elif kind == "gradients":
             if not self.links.is_from(DOWNSTREAM, sender, link):
                 raise WireError("gradients may only come from a downstream neighbour")
@@ -301,9 +306,9 @@ class Stage:
         else:
             raise WireError(f"unexpected packet kind {kind!r}")
 
-    async def _on_activations(self, act: pb.Activations, sender: str) -> None:
+    async def _on_activations(self, act: pb.Activations, sender: str, link: Link) -> None:
         self._origin[act.mb.id] = sender
-        packet = await self.compute(self._forward_job, act, sender, priority=FORWARD)
+        packet = await self.compute(self._forward_job, act, sender, link, priority=FORWARD)
         if self.closed:  # re-assigned meanwhile: this micro-batch belongs to the old plan
             return
         if packet.WhichOneof("body") == "activations":
@@ -315,6 +320,9 @@ class Stage:
         """A gradient (or an eval loss, or a drop) came back from ``sender`` ("": its holder vanished)."""
         self.replicas.returned(g.mb.id)
         self._sent.pop(g.mb.id, None)
+        link = self.links.downstreams.get(sender)
+        if g.dropped and self.deltas is not None and link is not None:  # it may not hold what we hold for them
+            self.deltas.sender(link).dropped(list(g.mb.samples))
         if self.source is not None:  # the first stage: the data source accounts for it
             await self.source.on_gradients(g, sender)
             return
@@ -337,14 +345,26 @@ class Stage:
                 log.warning("rejected %s from %s: %s", kind, sender, e)
             return False
 
-    def _forward_job(self, act: pb.Activations, sender: str) -> pb.Packet:
+    def _forward_job(self, act: pb.Activations, sender: str, link: Link) -> pb.Packet:
         runner = self.runner
         if not act.mb.eval:
             self.hooks.faults.slow(self.view.stage)
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
+        rows = None
+        if act.cache != pb.CACHE_NONE:
+            if self.deltas is None:
+                raise WireError("activation deltas in a run that sends none")
+            rows = self.deltas.receiver(link)
+            try:
+                x = rows.rebuild(act, x)
+            except NotCached as e:
+                log.warning("micro-batch %d from %s dropped: %s", act.mb.id, sender, e)
+                return pb.Packet(gradients=pb.Gradients(mb=act.mb, dropped=True))
         if not self.plausible(x, sender, "activations"):  # dropped: upstream drops it too, nothing waits
             return pb.Packet(gradients=pb.Gradients(mb=act.mb, dropped=True))
+        if rows is not None:
+            rows.commit(act, x)
         result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
         if not act.mb.eval:
             self.replicas.received(act.mb.step, sender)
@@ -352,9 +372,7 @@ class Stage:
             mb = pb.MicroBatch()
             mb.CopyFrom(act.mb)
             mb.weight_version = runner.version
-            return self._own_output(
-                act.mb, lambda: self.policy.activations(mb, result.output, targets), pending=not act.mb.eval
-            )
+            return self._own_output(act.mb, lambda: self.outgoing(mb, result.output, targets), pending=not act.mb.eval)
         return self._own_output(
             act.mb, lambda: self.policy.gradients(act.mb, result.input_grad, result.loss_sum, result.tokens, to=sender)
         )
@@ -413,17 +431,39 @@ class Stage:
                     except LinkClosed:
                         pass  # that holder is gone; its upstream-loss handling covers the step
 
+    def outgoing(self, mb: pb.MicroBatch, output: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
+        """The packet of this stage's output (compute thread). Under activation deltas it is encoded once
+        routed, in :meth:`send_down`, against that link's rows: this packet carries only the targets."""
+        if self.deltas is None or not mb.samples or mb.eval or not bool(torch.isfinite(output).all()):
+            return self.policy.activations(mb, output, targets)
+        self._unsent[mb.id] = (output, targets)
+        return pb.Packet(activations=pb.Activations(mb=mb))
+
     async def send_down(self, packet: pb.Packet) -> None:
         """Send activations to one holder of the next block: the one expected to finish it first."""
         mb = packet.activations.mb
         peer = self.replicas.route(mb.id)
         self._sent[mb.id] = mb
+        unsent = self._unsent.pop(mb.id, None)
         try:
-            await self.links.downstreams[peer].send(packet)
+            link = self.links.downstreams[peer]
+            if unsent is None:
+                await link.send(packet)
+            else:
+                async with self.deltas.lock(link):  # the receiver applies them in the order they were encoded
+                    packet = await self.compute(self._encode_for, link, mb, *unsent, priority=FORWARD)
+                    if packet.WhichOneof("body") == "gradients":
+                        await self.on_gradients(packet.gradients, "")  # could not be encoded: dropped
+                        return
+                    await link.send(packet)
         except (KeyError, LinkClosed):  # vanished between choice and send: its link handling drops it
             pass
         if not mb.eval:
             await self._send_step_ends(self.replicas.forwarded(mb.step, peer))
+
+    def _encode_for(self, link: Link, mb: pb.MicroBatch, output: torch.Tensor, targets) -> pb.Packet:
+        sender = self.deltas.sender(link)
+        return self._own_output(mb, lambda: self.policy.activations(mb, output, targets, sender, self.deltas.codec))
 
     async def send_up(self, packet: pb.Packet) -> None:
         """Send a gradient (or an eval loss) back to exactly the holder that sent us its forward."""

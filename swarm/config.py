@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 # 11: codec ECSQ (one step per tensor, zstd-coded int8 codes)
 # 12: ECSQ codes travel entropy-coded by rows (Compression ROWS) instead of zstd-coded
 # 13: TrainConfig.lr_decay_steps (a peer of 12 would ignore it and train at a constant lr beside decaying ones)
-PROTOCOL_VERSION = 13
+# 14: activation deltas against each link's cached rows (Activations.cache, MicroBatch.samples; --wire-forward-delta)
+PROTOCOL_VERSION = 14
 SCHEDULES = ("sync", "async")
+# Codecs of activation deltas (--wire-forward-delta): blockwise, so a block's scale follows its own rows' change
+DELTA_CODECS = ("bf16", "int8", "int4", "int4_rot", "int3_rot")
 DEFAULT_WIRE_RANK = 32  # columns of each factor of the ``lowrank`` codec (``--wire-rank``)
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,
@@ -158,6 +161,10 @@ class TrainConfig:
     outer_lr: float = 1.0  # DiLoCo outer step on the averaged change; 1 with no momentum is plain averaging
     outer_momentum: float = 0.0  # Nesterov momentum of the outer step
     average_timeout: float = 30.0  # seconds a round's leader waits for the other replicas
+    train_samples: int = 0  # a fixed set of this many training sequences, seen epoch after epoch; 0: fresh windows
+    wire_forward_delta: str = ""  # activations of a cached sample travel as a change in this codec ("": never)
+    delta_cache_bytes: int = 1 << 30  # cached rows each side of a link holds in memory (swarm/wire/sample_store.py)
+    delta_spill_bytes: int = 0  # and beyond those, in a file on disk
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -173,6 +180,13 @@ class TrainConfig:
             raise ValueError("average_every, average_timeout and outer_lr must be positive")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.train_samples < 0 or self.delta_cache_bytes < 0 or self.delta_spill_bytes < 0:
+            raise ValueError("train_samples, delta_cache_bytes and delta_spill_bytes must not be negative")
+        if self.wire_forward_delta and self.wire_forward_delta not in DELTA_CODECS:
+            known = ", ".join(DELTA_CODECS)
+            raise ValueError(f"unknown delta codec {self.wire_forward_delta!r}; choose one of: {known}")
+        if self.wire_forward_delta and not self.train_samples:
+            raise ValueError("activation deltas need samples that return: set train_samples (--train-samples N)")
         if self.schedule == "sync" and self.max_staleness:
             raise ValueError("the sync schedule has no staleness: use --schedule async with --max-staleness")
 

@@ -72,6 +72,10 @@ def train_to_pb(cfg: TrainConfig) -> cpb.TrainConfig:
         outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum,
         average_timeout=cfg.average_timeout,
+        train_samples=cfg.train_samples,
+        wire_forward_delta=cfg.wire_forward_delta,
+        delta_cache_bytes=cfg.delta_cache_bytes,
+        delta_spill_bytes=cfg.delta_spill_bytes,
     )
 
 
@@ -114,6 +118,10 @@ def train_from_pb(t: cpb.TrainConfig, steps: int = 0) -> TrainConfig:
         outer_lr=t.outer_lr or 1.0,
         outer_momentum=t.outer_momentum,
         average_timeout=t.average_timeout or 30.0,
+        train_samples=t.train_samples,
+        wire_forward_delta=t.wire_forward_delta,
+        delta_cache_bytes=t.delta_cache_bytes,
+        delta_spill_bytes=t.delta_spill_bytes,
     )
 
 

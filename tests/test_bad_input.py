@@ -50,6 +50,15 @@ BAD_CASES = {
     ),
     "unknown codec": frames(activations(pb.Tensor(shape=[B, T, CFG.d_model], dtype=pb.FLOAT32, codec=99))),
     "exceeds the limit": frames(activations(pb.Tensor(shape=[1 << 20, 1 << 20], dtype=pb.FLOAT32, codec=pb.FP32))),
+    "a run that sends none": frames(
+        pb.Packet(
+            activations=pb.Activations(
+                mb=pb.MicroBatch(id=1, samples=[0, 1]),
+                hidden=tensor_to_pb(good_hidden(), "fp32"),
+                cache=pb.CACHE_DELTA,
+            )
+        )
+    ),
 }
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swarm.train.data import Corpus
+from swarm.train.data import Corpus, epoch_samples
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +35,21 @@ def test_user_data_path(tmp_path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no text files"):
         Corpus.load(str(tmp_path / "empty"))
+
+
+def test_a_fixed_training_set_is_seen_once_per_epoch_in_a_fresh_order() -> None:
+    n = 10
+    run = epoch_samples(3, n, 0, 3 * n)
+    epochs = [run[i * n : (i + 1) * n] for i in range(3)]
+    assert all(sorted(e) == list(range(n)) for e in epochs) and epochs[0] != epochs[1]
+    assert epoch_samples(3, n, 8, 4) == run[8:12]  # a micro-batch straddling two epochs
+    assert epoch_samples(3, n, 0, n) == epochs[0] and epoch_samples(4, n, 0, n) != epochs[0]
+    with pytest.raises(ValueError, match="at least one"):
+        epoch_samples(0, 0, 0, 1)
+
+
+def test_a_sample_is_the_same_sequence_at_every_visit(corpus: Corpus) -> None:
+    x, y = corpus.samples(seed=1, ids=[5, 9, 5], context=32)
+    assert x.shape == y.shape == (3, 32) and torch.equal(x[0], x[2]) and not torch.equal(x[0], x[1])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(corpus.samples(seed=2, ids=[5], context=32)[0][0], x[0])

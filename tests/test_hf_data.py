@@ -129,3 +129,11 @@ def test_loss_sum_ignores_masked_targets(ckpt):
     keep = targets != IGNORE_INDEX
     expected = F.cross_entropy(logits[keep], targets[keep], reduction="sum")
     torch.testing.assert_close(last.loss_sum(logits, targets), expected)
+
+
+def test_a_fixed_training_set_of_records_is_its_rows(tmp_path, ckpt):
+    corpus = TokenCorpus.load(write_jsonl(tmp_path / "qa.jsonl", PAIRS), ckpt)
+    rows = corpus._data("train", 48)[0].shape[0]
+    a = corpus.samples(seed=0, ids=[0, 1, rows], context=48)
+    assert a[0].shape == (3, 48) and torch.equal(a[0][0], a[0][2]) and not torch.equal(a[0][0], a[0][1])
+    assert torch.equal(corpus.samples(seed=5, ids=[1], context=48)[1][0], a[1][1])  # rows do not depend on the seed

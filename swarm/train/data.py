@@ -3,6 +3,10 @@
 Nothing is downloaded: by default the corpus is the standard library's own source files, read in a
 fixed order; ``--data PATH`` points at a user's text file or folder instead. Batches are a pure
 function of (seed, split, step, index), so any run can be replayed and compared exactly.
+
+``--train-samples N`` trains on a fixed set of N sequences instead, seen epoch after epoch in a fresh
+order each time (:func:`epoch_samples`), the way a fine-tuning set is: each sequence has an index that
+returns, which is what lets a link send an activation as its change since the last epoch.
 """
 
 from __future__ import annotations
@@ -80,6 +84,42 @@ class Corpus:
         idx = starts[:, None] + torch.arange(context + 1)[None, :]
         window = data[idx].long()
         return window[:, :-1], window[:, 1:]
+
+    def samples(self, *, seed: int, ids: list[int], context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of training sequences ``ids`` of the fixed set: sequence j is the window at a
+        position fixed by (seed, j) alone."""
+        if len(self.train) <= context + 1:
+            raise ValueError(f"train split of {len(self.train)} tokens is shorter than the context {context}")
+        starts = torch.tensor([_mix(seed, "sample", j, 0) % (len(self.train) - context - 1) for j in ids])
+        window = self.train[starts[:, None] + torch.arange(context + 1)[None, :]].long()
+        return window[:, :-1], window[:, 1:]
+
+
+def epoch_samples(seed: int, n: int, position: int, count: int) -> list[int]:
+    """The indices of training sequences ``position .. position + count`` of the run, over a set of ``n``
+    seen in a fresh seeded order each epoch (a micro-batch may straddle two epochs)."""
+    if n <= 0:
+        raise ValueError(f"a training set needs at least one sequence, got {n}")
+    out: list[int] = []
+    while len(out) < count:
+        epoch, at = divmod(position + len(out), n)
+        order = _epoch_order(seed, n, epoch)
+        out.extend(order[at : at + count - len(out)])
+    return out
+
+
+_orders: dict[tuple[int, int, int], list[int]] = {}
+
+
+def _epoch_order(seed: int, n: int, epoch: int) -> list[int]:
+    key = (seed, n, epoch)
+    if key not in _orders:
+        if len(_orders) >= 4:  # a run reads one epoch at a time, and the next as a micro-batch straddles them
+            _orders.pop(next(iter(_orders)))
+        g = torch.Generator()
+        g.manual_seed(_mix(seed, "epoch", epoch, n))
+        _orders[key] = torch.randperm(n, generator=g).tolist()
+    return _orders[key]
 
 
 def _mix(seed: int, split: str, step: int, index: int) -> int:

@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.pb import wire_pb2 as pb
+from swarm.wire import codecs
 from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, DEFAULT_RANK, LOSSY_CODECS, encode
 from swarm.wire.error_feedback import ErrorFeedback
 from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
 from swarm.wire.quantize import num_blocks
+from swarm.wire.sample_deltas import DeltaSender
 
 LOSSY = frozenset(LOSSY_CODECS)
 FEEDBACK_MODES = ("auto", "on", "off")
@@ -61,13 +63,35 @@ class WirePolicy:
             return {}
         return {"block_size": self.block_size, "seed": mb.id, **({"rank": self.rank} if codec == "lowrank" else {})}
 
-    def activations(self, mb: pb.MicroBatch, hidden: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
-        if hidden.is_floating_point():
+    def activations(
+        self,
+        mb: pb.MicroBatch,
+        hidden: torch.Tensor,
+        targets: torch.Tensor | None,
+        deltas: DeltaSender | None = None,
+        delta_codec: str = "",
+    ) -> pb.Packet:
+        """The packet of ``hidden``; with ``deltas`` (one link's), as the change since its samples' last visit,
+        sent ``delta_codec``, where that link holds them (swarm/wire/sample_deltas.py)."""
+        cache = pb.CACHE_NONE
+        if not hidden.is_floating_point():
+            tensor = tensor_to_pb(hidden, "raw")
+        elif deltas is not None and mb.samples and not mb.eval:
+
+            def encode_rows(x: torch.Tensor, delta: bool) -> codecs.EncodedTensor:
+                codec = delta_codec if delta else self.forward
+                self.sent[f"forward:delta:{codec}" if delta else f"forward:{codec}"] += 1
+                return codecs.encode(x, codec, **self._options(codec, mb))
+
+            try:
+                cache, enc = deltas.encode(list(mb.samples), hidden, encode_rows)
+            except codecs.CodecError as e:
+                raise WireError(str(e)) from e
+            tensor = encoded_to_pb(enc, zstd=self.zstd)
+        else:
             tensor = tensor_to_pb(hidden, self.forward, zstd=self.zstd, **self._options(self.forward, mb))
             self.sent[f"forward:{self.forward}"] += 1
-        else:
-            tensor = tensor_to_pb(hidden, "raw")
-        act = pb.Activations(mb=mb, hidden=tensor)
+        act = pb.Activations(mb=mb, hidden=tensor, cache=cache)
         if targets is not None:
             small = targets.to(torch.int16 if int(targets.max()) < 32768 else torch.int32)
             act.targets.CopyFrom(tensor_to_pb(small, "raw"))
