@@ -212,6 +212,7 @@ class RunRecord:
             "anchor_digest": st.anchor_digest,
             "forward_micro_batches": st.forward_micro_batches - base.forward_micro_batches,
             "sent_codecs": dict(sorted(st.sent_codecs.items())),  # tensors sent, by direction and codec
+            "delta_rows": {"held": st.delta_rows, "spilled": st.delta_rows_spilled},  # both ends of its links
             "memory": memory_summary(st.memory),
         }
 

@@ -32,6 +32,7 @@ def stage_stats(stage: Stage | None, compute: ComputeWorker) -> cpb.StageStats:
     r, group = stage.runner, stage.replicas.group
     sent, received = stage.links.bytes()
     m = r.metrics
+    held, spilled = stage.deltas.held() if stage.deltas is not None else (0, 0)
     return cpb.StageStats(
         forward_micro_batches=m.forward,
         backward_micro_batches=m.backward,
@@ -53,6 +54,8 @@ def stage_stats(stage: Stage | None, compute: ComputeWorker) -> cpb.StageStats:
         rejected=sum(stage.sanity.rejections.values()),
         rejected_by_sender=dict(stage.sanity.rejections),
         sent_codecs=dict(stage.policy.sent),
+        delta_rows=held,
+        delta_rows_spilled=spilled,
         memory=cpb.StageMemory(**stage.memory.sample().as_dict()),
     )
 

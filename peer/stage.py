@@ -37,7 +37,7 @@ from swarm.train.stage_runner import StageRunner
 from swarm.wire.codec_policy import WirePolicy
 from swarm.wire.packets import WireError
 from swarm.wire.receive_bounds import link_bounds
-from swarm.wire.sample_deltas import NotCached, SampleDeltas
+from swarm.wire.sample_deltas import DeltaReceiver, DeltaSender, NotCached, SampleDeltas
 from swarm.wire.sanity import DAEMON_SETTINGS, LinkSanity, Quarantine, SanityError
 from swarm.wire.transport import Link, LinkClosed, hello_packet
 
@@ -308,7 +308,12 @@ class Stage:
 
     async def _on_activations(self, act: pb.Activations, sender: str, link: Link) -> None:
         self._origin[act.mb.id] = sender
-        packet = await self.compute(self._forward_job, act, sender, link, priority=FORWARD)
+        rows = None  # the rows this link's deltas are against; its sender's only (made here, on the event loop)
+        if act.cache != pb.CACHE_NONE:
+            if self.deltas is None:
+                raise WireError("activation deltas in a run that sends none")
+            rows = self.deltas.receiver(link)
+        packet = await self.compute(self._forward_job, act, sender, rows, priority=FORWARD)
         if self.closed:  # re-assigned meanwhile: this micro-batch belongs to the old plan
             return
         if packet.WhichOneof("body") == "activations":
@@ -345,17 +350,13 @@ class Stage:
                 log.warning("rejected %s from %s: %s", kind, sender, e)
             return False
 
-    def _forward_job(self, act: pb.Activations, sender: str, link: Link) -> pb.Packet:
+    def _forward_job(self, act: pb.Activations, sender: str, rows: DeltaReceiver | None) -> pb.Packet:
         runner = self.runner
         if not act.mb.eval:
             self.hooks.faults.slow(self.view.stage)
         x = self.policy.decode(act.hidden)
         targets = self.policy.decode(act.targets) if act.HasField("targets") else None
-        rows = None
-        if act.cache != pb.CACHE_NONE:
-            if self.deltas is None:
-                raise WireError("activation deltas in a run that sends none")
-            rows = self.deltas.receiver(link)
+        if rows is not None:
             try:
                 x = rows.rebuild(act, x)
             except NotCached as e:
@@ -451,7 +452,8 @@ class Stage:
                 await link.send(packet)
             else:
                 async with self.deltas.lock(link):  # the receiver applies them in the order they were encoded
-                    packet = await self.compute(self._encode_for, link, mb, *unsent, priority=FORWARD)
+                    rows = self.deltas.sender(link)
+                    packet = await self.compute(self._encode_for, rows, mb, *unsent, priority=FORWARD)
                     if packet.WhichOneof("body") == "gradients":
                         await self.on_gradients(packet.gradients, "")  # could not be encoded: dropped
                         return
@@ -461,9 +463,8 @@ class Stage:
         if not mb.eval:
             await self._send_step_ends(self.replicas.forwarded(mb.step, peer))
 
-    def _encode_for(self, link: Link, mb: pb.MicroBatch, output: torch.Tensor, targets) -> pb.Packet:
-        sender = self.deltas.sender(link)
-        return self._own_output(mb, lambda: self.policy.activations(mb, output, targets, sender, self.deltas.codec))
+    def _encode_for(self, rows: DeltaSender, mb: pb.MicroBatch, output: torch.Tensor, targets) -> pb.Packet:
+        return self._own_output(mb, lambda: self.policy.activations(mb, output, targets, rows, self.deltas.codec))
 
     async def send_up(self, packet: pb.Packet) -> None:
         """Send a gradient (or an eval loss) back to exactly the holder that sent us its forward."""

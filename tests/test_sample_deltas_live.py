@@ -124,12 +124,22 @@ def test_a_sender_that_lies_about_its_rows_is_refused() -> None:
 
 @pytest.mark.slow  # three peer processes train a few steps: over 20 s on a shared machine
 def test_a_swarm_sends_returning_samples_as_deltas(tmp_path: Path) -> None:
-    """``ravn local --train-samples 16 --wire-forward-delta int4_rot``: real peers; one epoch a step."""
+    """``ravn local --train-samples 16 --wire-forward-delta int4_rot``: real peers, one epoch a step, every row
+    kept on disk."""
     run_ravn_local(
         tmp_path,
         "aq",
         *("--peers", "3", "--model", "gpt-tiny", "--steps", "6", "--eval-every", "0", "--eval-batches", "1"),
-        *("--train-samples", "16", "--wire-forward-delta", "int4_rot"),
+        *(
+            "--train-samples",
+            "16",
+            "--wire-forward-delta",
+            "int4_rot",
+            "--delta-cache-mib",
+            "0",
+            "--delta-spill-mib",
+            "1",
+        ),
     )
     summary = next(m for m in read_metrics(tmp_path / "aq") if m["kind"] == "summary")
     assert summary["steps"] == 6 and math.isfinite(summary["final_val_loss"])
@@ -137,3 +147,5 @@ def test_a_swarm_sends_returning_samples_as_deltas(tmp_path: Path) -> None:
         forward = {k: v for k, v in stage["sent_codecs"].items() if k.startswith("forward:")}
         assert forward == {"forward:int8": 4 + 1, "forward:delta:int4_rot": 20}, stage  # + the validation's one
         assert stage["dropped"] == 0
+    held = [s["delta_rows"] for s in summary["stages"]]  # each end of each link keeps the 16 samples' rows
+    assert held == [{"held": n, "spilled": n} for n in (16, 32, 16)], held
