@@ -141,3 +141,12 @@ def test_whatever_arrives_or_is_dropped_both_sides_agree_on_every_row_they_use(s
         else:
             sender.dropped(samples)
         assert len(receiver.store) <= len(sender.store) <= capacity
+
+
+def test_bf16_activations_of_a_checkpoint_come_back_in_bf16() -> None:
+    policy, sender, receiver = link()
+    for epoch in range(2):
+        x = activation([0, 1], epoch).bfloat16()
+        got = receive(receiver, send(policy, sender, [0, 1], x))
+        assert got.dtype == torch.bfloat16 and float((got.float() - x.float()).norm() / x.float().norm()) < 0.15
+    assert torch.equal(sender.store.get([0, 1]), receiver.store.get([0, 1]))
