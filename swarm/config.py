@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 # 14: activation deltas against each link's cached rows (Activations.cache, MicroBatch.samples; --wire-forward-delta)
 PROTOCOL_VERSION = 14
 SCHEDULES = ("sync", "async")
-# Codecs of activation deltas (--wire-forward-delta): blockwise, so a block's scale follows its own rows' change
-DELTA_CODECS = ("bf16", "int8", "int4", "int4_rot", "int3_rot")
+# Codecs of activation deltas (--wire-forward-delta): blockwise ones, whose scales follow the change itself, or
+# ecsq, whose step follows the activation, so a small change costs few bits (swarm/wire/ecsq.py)
+DELTA_CODECS = ("bf16", "int8", "int4", "int4_rot", "int3_rot", "ecsq")
 DEFAULT_WIRE_RANK = 32  # columns of each factor of the ``lowrank`` codec (``--wire-rank``)
 
 # ``--wire-forward auto`` / ``--wire-backward auto``: the coordinator picks each link's codec from a ladder,

@@ -150,3 +150,21 @@ def test_bf16_activations_of_a_checkpoint_come_back_in_bf16() -> None:
         got = receive(receiver, send(policy, sender, [0, 1], x))
         assert got.dtype == torch.bfloat16 and float((got.float() - x.float()).norm() / x.float().norm()) < 0.15
     assert torch.equal(sender.store.get([0, 1]), receiver.store.get([0, 1]))
+
+
+def test_ecsq_deltas_cost_fewer_bytes_the_less_a_sample_moved_at_a_bounded_error() -> None:
+    """ecsq quantises a change at a step set by the activation's rms: int4_rot's precision, whatever its size."""
+    sizes, errors = {}, {}
+    for drift in (0.3, 0.03):
+        policy = WirePolicy(forward="fp32", zstd=True)  # the rows kept are the activation: the change is the drift
+        sender, receiver = DeltaSender(SampleStore(1 << 20)), DeltaReceiver(SampleStore(1 << 20))
+        x = activation([0, 1], 0)
+        receive(receiver, policy.activations(pb.MicroBatch(id=1, samples=[0, 1]), x, None, sender, "ecsq").activations)
+        moved = x + drift * torch.randn(x.shape, generator=torch.Generator().manual_seed(7)) * x.std()
+        act = policy.activations(pb.MicroBatch(id=2, samples=[0, 1]), moved, None, sender, "ecsq").activations
+        assert act.cache == pb.CACHE_DELTA and act.hidden.compression == pb.ROWS
+        got = receive(receiver, act)
+        sizes[drift], errors[drift] = len(act.hidden.payload), float((got - moved).abs().max() / moved.std())
+        assert torch.equal(sender.store.get([0, 1]), receiver.store.get([0, 1]))
+    assert sizes[0.03] < sizes[0.3] / 3, sizes
+    assert max(errors.values()) <= 0.17 + 0.01, errors  # half the step, plus bf16 rows

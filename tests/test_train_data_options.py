@@ -19,7 +19,7 @@ def test_the_flags_reach_the_recipe_and_the_peers() -> None:
 
 def test_deltas_without_returning_samples_or_with_an_unknown_codec_are_refused() -> None:
     assert "--train-samples" in refused("--wire-forward-delta", "int4_rot")
-    output = refused("--train-samples", "8", "--wire-forward-delta", "ecsq")
+    output = refused("--train-samples", "8", "--wire-forward-delta", "lowrank")
     assert "int3_rot" in output and "off" in output
     with pytest.raises(ValueError, match="train_samples"):
         TrainConfig(wire_forward_delta="int8")

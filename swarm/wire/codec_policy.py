@@ -78,9 +78,12 @@ class WirePolicy:
             tensor = tensor_to_pb(hidden, "raw")
         elif deltas is not None and mb.samples and not mb.eval:
 
-            def encode_rows(x: torch.Tensor, delta: bool) -> codecs.EncodedTensor:
-                codec = delta_codec if delta else self.forward
-                self.sent[f"forward:delta:{codec}" if delta else f"forward:{codec}"] += 1
+            def encode_rows(x: torch.Tensor, changed: torch.Tensor | None) -> codecs.EncodedTensor:
+                codec = delta_codec if changed is not None else self.forward
+                self.sent[f"forward:{codec}" if changed is None else f"forward:delta:{codec}"] += 1
+                if changed is not None and codec == "ecsq":  # its step follows the activation, not the change
+                    rms = float(torch.linalg.vector_norm(changed, dtype=torch.float64)) / max(1, changed.numel()) ** 0.5
+                    return codecs.encode(x, codec, reference_rms=rms)
                 return codecs.encode(x, codec, **self._options(codec, mb))
 
             try:

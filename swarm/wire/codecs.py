@@ -180,6 +180,7 @@ def encode(
     allow_nonfinite: bool = False,
     small: bool = False,
     rank: int = DEFAULT_RANK,
+    reference_rms: float | None = None,
 ) -> EncodedTensor:
     """Encode ``x`` with ``codec``; refuses NaN/Inf unless allowed (a broken peer must not spread them).
 
@@ -189,7 +190,8 @@ def encode(
     The integer codecs cannot represent NaN/Inf at all (their scales must be finite), so they refuse
     non-finite input even with ``allow_nonfinite``.
     The decoded tensor will have ``x.dtype``, which must be float32, float16 or bfloat16 for every
-    codec but ``raw``. ``rank`` is ``lowrank``'s (capped at the matrix's smaller side).
+    codec but ``raw``. ``rank`` is ``lowrank``'s (capped at the matrix's smaller side). ``reference_rms``:
+    ``x`` is a change to a tensor of that rms, and ``ecsq`` sets its step from it (``swarm.wire.ecsq``).
     """
     shape = tuple(x.shape)
     if codec == "raw":
@@ -212,7 +214,7 @@ def encode(
     if codec == "lowrank":
         return _encode_lowrank(x, block_size, seed, rank)
     if codec == "ecsq":
-        return _encode_ecsq(x)
+        return _encode_ecsq(x, reference_rms)
     bits = _check_quant_params(codec, block_size, seed)
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():
@@ -306,13 +308,13 @@ def _decode_lowrank(enc: EncodedTensor, device: torch.device | str | None) -> to
     return lowrank.decode(payload, scales, enc.shape, r, enc.block_size, enc.dtype, target)
 
 
-def _encode_ecsq(x: torch.Tensor) -> EncodedTensor:
+def _encode_ecsq(x: torch.Tensor, reference_rms: float | None = None) -> EncodedTensor:
     flat = x.detach().reshape(-1)
     lo, hi = torch.aminmax(flat) if flat.numel() else (torch.zeros(()), torch.zeros(()))
     lo, hi = float(lo), float(hi)  # one pass: the finiteness check and the absmax the step needs
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise CodecError("tensor contains NaN or Inf, which codec ecsq cannot represent")
-    step = ecsq.step_of(flat, max(-lo, hi))
+    step = ecsq.step_of(flat, max(-lo, hi), reference_rms)
     if step > ecsq.MAX_STEP:
         raise CodecError(f"values too large for codec ecsq (step {step:.3g} > {ecsq.MAX_STEP:.3g})")
     data, view = bytes_out.new_bytes(flat.numel()) if flat.is_cpu else (b"", None)

@@ -35,18 +35,25 @@ import torch
 from swarm.wire.quantize import CPU_CHUNK_ELEMS
 
 STEP_PER_RMS = 0.87  # step / rms(x): relative error 0.25 on Gaussian data, int3_rot's there
+# A change to an activation (--wire-forward-delta ecsq) is quantised at the step int4_rot gives the activation
+# itself on Gaussian data (absmax of a block of 64 ~ 2.4 rms, over 7 levels): its error is never worse than
+# int4_rot's, and a small change costs few bits since most of its codes are 0 (swarm/wire/sample_deltas.py).
+STEP_PER_REFERENCE_RMS = 0.34
 LEVEL = 127  # the largest |code| the encoder writes (a decoder accepts any int8)
 MIN_STEP = torch.finfo(torch.float32).tiny  # a tensor of subnormal values decodes to zeros, within step / 2
 MAX_STEP = torch.finfo(torch.float32).max / 128  # any int8 code times the step stays finite
 
 
-def step_of(flat: torch.Tensor, absmax: float) -> float:
+def step_of(flat: torch.Tensor, absmax: float, reference_rms: float | None = None) -> float:
     """The quantisation step of a finite, flat float tensor whose largest magnitude is ``absmax`` (0 for an
-    empty or all-zero one)."""
+    empty or all-zero one): from its own rms, or from ``reference_rms``, that of the tensor it changes."""
     if not flat.numel() or absmax == 0.0:
         return 0.0
-    rms = math.sqrt(_sum_of_squares(flat) / flat.numel())
-    step = max(STEP_PER_RMS * rms, absmax / LEVEL, MIN_STEP)
+    if reference_rms is None:
+        step = STEP_PER_RMS * math.sqrt(_sum_of_squares(flat) / flat.numel())
+    else:
+        step = STEP_PER_REFERENCE_RMS * reference_rms
+    step = max(step, absmax / LEVEL, MIN_STEP)
     return float(torch.tensor(step, dtype=torch.float32))  # what travels (a code moves by < 1e-6 at most)
 
 

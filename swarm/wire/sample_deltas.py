@@ -27,7 +27,8 @@ from swarm.wire.codecs import EncodedTensor, decode
 from swarm.wire.packets import WireError
 from swarm.wire.sample_store import SampleStore, StoreFull
 
-Encode = Callable[[torch.Tensor, bool], EncodedTensor]  # (tensor, is a delta) -> encoded with its codec
+# (tensor, the activation it changes or None) -> encoded with the codec of deltas or of the link
+Encode = Callable[[torch.Tensor, torch.Tensor | None], EncodedTensor]
 
 
 class NotCached(Exception):
@@ -61,10 +62,10 @@ class DeltaSender:
         """The mode and encoded tensor of ``hidden`` (rows: ``samples``); the rows held become the receiver's."""
         mode = self.mode(samples, tuple(hidden.shape[1:]))
         if mode == pb.CACHE_NONE:
-            return mode, encode(hidden, False)
+            return mode, encode(hidden, None)
         x = hidden.detach().to("cpu", torch.float32)
         base = self.store.get(samples) if mode == pb.CACHE_DELTA else None
-        enc = encode((x - base if base is not None else x).to(hidden.dtype), base is not None)
+        enc = encode((x - base).to(hidden.dtype), x) if base is not None else encode(x.to(hidden.dtype), None)
         seen = decode(enc, max_elements=max(1, x.numel())).float()
         self.store.put(samples, seen if base is None else seen.add_(base))
         self._dirty.difference_update(samples)
