@@ -137,3 +137,11 @@ def test_a_fixed_training_set_of_records_is_its_rows(tmp_path, ckpt):
     a = corpus.samples(seed=0, ids=[0, 1, rows], context=48)
     assert a[0].shape == (3, 48) and torch.equal(a[0][0], a[0][2]) and not torch.equal(a[0][0], a[0][1])
     assert torch.equal(corpus.samples(seed=5, ids=[1], context=48)[1][0], a[1][1])  # rows do not depend on the seed
+
+
+def test_the_default_data_is_the_standard_librarys_source_for_a_checkpoint_too(ckpt):
+    """``ravn local --model CKPT`` without ``--data`` trains on 'stdlib', as the built-in GPT does (a peer read
+    'stdlib' as a path and failed the run before)."""
+    corpus = TokenCorpus.load("stdlib", ckpt, cap_bytes=64 * 1024)
+    ids, targets = corpus.batch(split="train", seed=0, step=0, index=0, batch_size=2, context=32)
+    assert ids.shape == targets.shape == (2, 32) and corpus.layout == "stream"

@@ -25,7 +25,7 @@ VALIDATION_FRACTION = 0.05
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html", ".c", ".h", ".toml"}
 
 
-def _stdlib_files() -> list[Path]:
+def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
@@ -53,7 +53,7 @@ class Corpus:
 
     @classmethod
     def load(cls, source: str = DEFAULT_CORPUS, cap_bytes: int = STDLIB_CAP_BYTES) -> Corpus:
-        files = _stdlib_files() if source == DEFAULT_CORPUS else text_files(Path(source).expanduser())
+        files = stdlib_files() if source == DEFAULT_CORPUS else text_files(Path(source).expanduser())
         chunks, total = [], 0
         for f in files:
             try:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swarm.train.data import VALIDATION_FRACTION, text_files
+from swarm.train.data import DEFAULT_CORPUS, STDLIB_CAP_BYTES, VALIDATION_FRACTION, stdlib_files, text_files
 
 IGNORE_INDEX = -100
 DEFAULT_CAP_BYTES = 256 * 1024 * 1024
@@ -45,10 +45,15 @@ def load_tokenizer(path: str | Path):  # -> transformers.PreTrainedTokenizerBase
 
 
 def read_records(source: str | Path, cap_bytes: int = DEFAULT_CAP_BYTES) -> list[dict[str, str]]:
-    """``{"text"}`` / ``{"prompt", "completion"}`` records from JSONL lines and plain-text files, in file order."""
+    """``{"text"}`` / ``{"prompt", "completion"}`` records from JSONL lines and plain-text files, in file order;
+    ``stdlib``: the standard library's source, as the built-in GPT reads it (``swarm.train.data``)."""
     records: list[dict[str, str]] = []
     total = 0
-    for f in text_files(Path(source).expanduser()):
+    if str(source) == DEFAULT_CORPUS:
+        files, cap_bytes = stdlib_files(), min(cap_bytes, STDLIB_CAP_BYTES)
+    else:
+        files = text_files(Path(source).expanduser())
+    for f in files:
         raw = f.read_text(encoding="utf-8", errors="replace")
         total += len(raw)
         if f.suffix.lower() == ".jsonl":
