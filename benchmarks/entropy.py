@@ -76,7 +76,8 @@ def capture(steps: list[int], *, seed: int = 0) -> dict[tuple[int, int, str], to
     return kept
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
             scales = len(enc.scales) if planes is None or codec not in entropy.CODED else len(planes)
             per_token = (len(z) + scales) / (x.numel() // x.shape[-1])
             bound = gaussian_bound(8 * (len(z) + scales) / x.numel())
-            c = _median_seconds(lambda raw=raw: comp.compress(raw), args.repeats)
-            d = _median_seconds(lambda z=z: dec.decompress(z), args.repeats)
+            c = median_seconds(lambda raw=raw: comp.compress(raw), args.repeats)
+            d = median_seconds(lambda z=z: dec.decompress(z), args.repeats)
             print(
                 f"| {step} | {i} | {kind} | {codec} | {err:.4f} | {bound:.4f} | {plain / x.numel():.3f} "
                 f"| {(len(z) + scales) / plain:.3f} | {scales / max(len(enc.scales), 1):.3f} | {per_token:.1f} "

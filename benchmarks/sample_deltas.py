@@ -13,13 +13,12 @@ Run: ``python -m benchmarks.sample_deltas``; prints a table and writes ``benchma
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.entropy import median_seconds
 from swarm.pb import wire_pb2 as pb
 from swarm.wire.codec_policy import WirePolicy
 from swarm.wire.packets import tensor_from_pb
@@ -31,12 +30,7 @@ OUT = Path(__file__).resolve().parent / "out" / "sample_deltas.md"
 
 
 def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, repeats)
 
 
 def measure(shape: tuple[int, ...], forward: str, delta: str, spill_dir: str | None, repeats: int) -> dict:

@@ -435,7 +435,7 @@ class Stage:
     def outgoing(self, mb: pb.MicroBatch, output: torch.Tensor, targets: torch.Tensor | None) -> pb.Packet:
         """The packet of this stage's output (compute thread). Under activation deltas it is encoded once
         routed, in :meth:`send_down`, against that link's rows: this packet carries only the targets."""
-        if self.deltas is None or not mb.samples or mb.eval or not bool(torch.isfinite(output).all()):
+        if self.deltas is None or not mb.samples or mb.eval:
             return self.policy.activations(mb, output, targets)
         self._unsent[mb.id] = (output, targets)
         return pb.Packet(activations=pb.Activations(mb=mb))

@@ -85,13 +85,14 @@ async def exchange(target: str, outgoing: list[pb.Frame]) -> tuple[list[pb.Packe
         return replies, await asyncio.wait_for(call.code(), 30), await call.details()
 
 
-async def with_peer(test) -> None:
+async def with_peer(test, train: TrainConfig | None = None) -> None:
+    """Run ``test(target, daemon)`` against a real daemon holding the last stage, with ``train``'s recipe."""
     daemon = PeerDaemon(peer_settings("last", device="cpu"))
     endpoint = await daemon.start_server()
     assignment = sealed_assignment(
         [(0, 1, [("upstream", "/ip4/127.0.0.1/tcp/1")]), (1, CFG.n_layers, [("last", "/ip4/127.0.0.1/tcp/2")])],
         model=model_to_pb(CFG),
-        train=train_to_pb(TrainConfig(micro_batches=1, micro_batch_size=B)),
+        train=train_to_pb(train or TrainConfig(micro_batches=1, micro_batch_size=B)),
     )
     await daemon.session._on_assign(assignment)
     try:

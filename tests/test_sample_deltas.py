@@ -86,6 +86,18 @@ def test_a_full_store_sends_new_samples_whole_and_keeps_the_rest() -> None:
     assert send(policy, sender, [1, 0], activation([1, 0], 1)).cache == pb.CACHE_DELTA
 
 
+def test_an_output_that_cannot_be_encoded_leaves_the_rows_as_they_were() -> None:
+    policy, sender, _ = link()
+    policy.activations(pb.MicroBatch(id=1, samples=[0, 1]), activation([0, 1], 0), None, sender, "ecsq")
+    kept = sender.store.get([0, 1])
+    bad = activation([0, 1], 1)
+    bad[1, 3, 5] = float("nan")
+    with pytest.raises(WireError, match="NaN"):
+        policy.activations(pb.MicroBatch(id=2, samples=[0, 1]), bad, None, sender, "ecsq")
+    assert torch.equal(sender.store.get([0, 1]), kept)
+    assert send(policy, sender, [0, 1], activation([0, 1], 2)).cache == pb.CACHE_DELTA
+
+
 def test_eval_and_unnumbered_micro_batches_are_never_cached() -> None:
     policy, sender, _ = link()
     ev = policy.activations(

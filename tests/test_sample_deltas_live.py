@@ -14,15 +14,12 @@ import torch
 
 from peer.daemon import PeerDaemon
 from swarm.config import MODEL_PRESETS, PROTOCOL_VERSION, TrainConfig
-from swarm.dht.multiaddrs import multiaddr_to_grpc_target
-from swarm.messages import model_to_pb, train_to_pb
 from swarm.pb import wire_pb2 as pb
 from swarm.pb import wire_pb2_grpc as wgrpc
 from swarm.wire.packets import Reassembler, split_packet, tensor_to_pb
 from swarm.wire.transport import hello_packet
 from tests.conftest import read_metrics, run_ravn_local
-from tests.sealed_plans import assignment as sealed_assignment
-from tests.sealed_plans import peer_settings
+from tests.test_bad_input import with_peer
 
 CFG = MODEL_PRESETS["gpt-tiny"]
 B, T = 2, 16
@@ -70,21 +67,6 @@ async def stream(target: str, *packets: pb.Packet) -> tuple[list[pb.Gradients], 
         return got, await asyncio.wait_for(call.code(), 30), await call.details()
 
 
-async def with_peer(test) -> None:
-    daemon = PeerDaemon(peer_settings("last", device="cpu"))
-    endpoint = await daemon.start_server()
-    assignment = sealed_assignment(
-        [(0, 1, [("upstream", "/ip4/127.0.0.1/tcp/1")]), (1, CFG.n_layers, [("last", "/ip4/127.0.0.1/tcp/2")])],
-        model=model_to_pb(CFG),
-        train=train_to_pb(TRAIN),
-    )
-    await daemon.session._on_assign(assignment)
-    try:
-        await test(multiaddr_to_grpc_target(endpoint), daemon)
-    finally:
-        await daemon.close()
-
-
 def test_a_delta_rebuilds_the_rows_kept_and_a_new_link_starts_empty() -> None:
     async def scenario(target: str, daemon: PeerDaemon) -> None:
         kept = X0.bfloat16().float()
@@ -104,7 +86,7 @@ def test_a_delta_rebuilds_the_rows_kept_and_a_new_link_starts_empty() -> None:
         assert code == grpc.StatusCode.OK and [g.dropped for g in got] == [True, False], details
         assert daemon.stage.refused == 0
 
-    asyncio.run(with_peer(scenario))
+    asyncio.run(with_peer(scenario, TRAIN))
 
 
 def test_a_sender_that_lies_about_its_rows_is_refused() -> None:
@@ -119,7 +101,7 @@ def test_a_sender_that_lies_about_its_rows_is_refused() -> None:
         got, code, _ = await stream(target, act(7, X0))  # and it keeps serving
         assert code == grpc.StatusCode.OK and not got[0].dropped
 
-    asyncio.run(with_peer(scenario))
+    asyncio.run(with_peer(scenario, TRAIN))
 
 
 @pytest.mark.slow  # three peer processes train a few steps: over 20 s on a shared machine

@@ -11,6 +11,7 @@ returns, which is what lets a link send an activation as its change since the la
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sysconfig
 from dataclasses import dataclass
@@ -88,11 +89,17 @@ class Corpus:
     def samples(self, *, seed: int, ids: list[int], context: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of training sequences ``ids`` of the fixed set: sequence j is the window at a
         position fixed by (seed, j) alone."""
-        if len(self.train) <= context + 1:
-            raise ValueError(f"train split of {len(self.train)} tokens is shorter than the context {context}")
-        starts = torch.tensor([_mix(seed, "sample", j, 0) % (len(self.train) - context - 1) for j in ids])
-        window = self.train[starts[:, None] + torch.arange(context + 1)[None, :]].long()
+        window = self.train[sample_windows(seed, ids, len(self.train), context)].long()
         return window[:, :-1], window[:, 1:]
+
+
+def sample_windows(seed: int, ids: list[int], length: int, context: int) -> torch.Tensor:
+    """Token positions (len(ids), context + 1) of training sequences ``ids`` in a split of ``length`` tokens:
+    sequence j is the window at a position fixed by (seed, j) alone."""
+    if length <= context + 1:
+        raise ValueError(f"train split of {length} tokens is shorter than the context {context}")
+    starts = torch.tensor([_mix(seed, "sample", j, 0) % (length - context - 1) for j in ids])
+    return starts[:, None] + torch.arange(context + 1)[None, :]
 
 
 def epoch_samples(seed: int, n: int, position: int, count: int) -> list[int]:
@@ -108,18 +115,11 @@ def epoch_samples(seed: int, n: int, position: int, count: int) -> list[int]:
     return out
 
 
-_orders: dict[tuple[int, int, int], list[int]] = {}
-
-
+@functools.lru_cache(maxsize=4)  # a run reads one epoch at a time, and the next as a micro-batch straddles them
 def _epoch_order(seed: int, n: int, epoch: int) -> list[int]:
-    key = (seed, n, epoch)
-    if key not in _orders:
-        if len(_orders) >= 4:  # a run reads one epoch at a time, and the next as a micro-batch straddles them
-            _orders.pop(next(iter(_orders)))
-        g = torch.Generator()
-        g.manual_seed(_mix(seed, "epoch", epoch, n))
-        _orders[key] = torch.randperm(n, generator=g).tolist()
-    return _orders[key]
+    g = torch.Generator()
+    g.manual_seed(_mix(seed, "epoch", epoch, n))
+    return torch.randperm(n, generator=g).tolist()
 
 
 def _mix(seed: int, split: str, step: int, index: int) -> int:

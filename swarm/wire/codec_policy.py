@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.pb import wire_pb2 as pb
-from swarm.wire import codecs
+from swarm.wire import codecs, ecsq
 from swarm.wire.codecs import DEFAULT_BLOCK_SIZE, DEFAULT_RANK, LOSSY_CODECS, encode
 from swarm.wire.error_feedback import ErrorFeedback
 from swarm.wire.packets import DEFAULT_MAX_ELEMENTS, WireError, encoded_to_pb, tensor_from_pb, tensor_to_pb
@@ -82,8 +82,7 @@ class WirePolicy:
                 codec = delta_codec if changed is not None else self.forward
                 self.sent[f"forward:{codec}" if changed is None else f"forward:delta:{codec}"] += 1
                 if changed is not None and codec == "ecsq":  # its step follows the activation, not the change
-                    rms = float(torch.linalg.vector_norm(changed, dtype=torch.float64)) / max(1, changed.numel()) ** 0.5
-                    return codecs.encode(x, codec, reference_rms=rms)
+                    return codecs.encode(x, codec, reference_rms=ecsq.rms(changed.reshape(-1)))
                 return codecs.encode(x, codec, **self._options(codec, mb))
 
             try:

@@ -50,11 +50,16 @@ def step_of(flat: torch.Tensor, absmax: float, reference_rms: float | None = Non
     if not flat.numel() or absmax == 0.0:
         return 0.0
     if reference_rms is None:
-        step = STEP_PER_RMS * math.sqrt(_sum_of_squares(flat) / flat.numel())
+        step = STEP_PER_RMS * rms(flat)
     else:
         step = STEP_PER_REFERENCE_RMS * reference_rms
     step = max(step, absmax / LEVEL, MIN_STEP)
     return float(torch.tensor(step, dtype=torch.float32))  # what travels (a code moves by < 1e-6 at most)
+
+
+def rms(flat: torch.Tensor) -> float:
+    """Root mean square of a flat float tensor (0 for an empty one), summed in float64."""
+    return math.sqrt(_sum_of_squares(flat) / flat.numel()) if flat.numel() else 0.0
 
 
 def _sum_of_squares(flat: torch.Tensor) -> float:

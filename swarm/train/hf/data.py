@@ -30,7 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swarm.train.data import DEFAULT_CORPUS, STDLIB_CAP_BYTES, VALIDATION_FRACTION, stdlib_files, text_files
+from swarm.train.data import (
+    DEFAULT_CORPUS,
+    STDLIB_CAP_BYTES,
+    VALIDATION_FRACTION,
+    sample_windows,
+    stdlib_files,
+    text_files,
+)
 
 IGNORE_INDEX = -100
 DEFAULT_CAP_BYTES = 256 * 1024 * 1024
@@ -217,15 +224,12 @@ class TokenCorpus:
     def samples(self, *, seed: int, ids: list[int], context: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Training sequences ``ids`` of the fixed set (``--train-samples``): row j % rows of the packed rows,
         or the window at a position fixed by (seed, j) of the token stream."""
-        ids_, mask = self._data("train", context)
+        tokens, mask = self._data("train", context)
         if self.layout == "rows":
-            rows = torch.tensor([j % ids_.shape[0] for j in ids])
-            return _targets(ids_[rows], mask[rows])
-        if len(ids_) <= context + 1:
-            raise ValueError(f"train split of {len(ids_)} tokens is shorter than the context {context}")
-        starts = torch.tensor([_mix(seed, "sample", j, 0) % (len(ids_) - context - 1) for j in ids])
-        idx = starts[:, None] + torch.arange(context + 1)[None, :]
-        return _targets(ids_[idx], mask[idx])
+            rows = torch.tensor([j % tokens.shape[0] for j in ids])
+            return _targets(tokens[rows], mask[rows])
+        idx = sample_windows(seed, ids, len(tokens), context)
+        return _targets(tokens[idx], mask[idx])
 
     def target_count(self, targets: torch.Tensor) -> int:
         """Tokens that count in the loss: what the step's loss should be normalised by."""
