@@ -1,14 +1,17 @@
 """Does the asynchronous schedule with compressed wires beat sync fp32 where links are slow?
 
 Three peers in the swarm lab (each behind its own capped link, the coordinator uncapped), the
-gpt-medium GPT in 3 stages, 8 micro-batches of 4 x 128 tokens per step (``--micro-batches``). At each cap every mode
-trains the same tokens on the same data; the table gives tokens/s, the speed-up over sync fp32 at
-that cap, the final validation loss and its gap to sync fp32, measured wire bytes per token and the
-per-stage bubble; the plot shows validation loss against wall-clock time, one panel per cap.
+gpt-medium GPT (or LoRA fine-tuning of a checkpoint, ``--model DIR``) in 3 stages, 8 micro-batches of
+4 sequences per step (``--micro-batches``). At each cap every mode trains the same tokens on the same
+data; the table gives tokens/s, the speed-up over sync fp32 at that cap, the final validation loss and
+its gap to sync fp32, measured wire bytes per token and the per-stage bubble; the plot shows validation
+loss against wall-clock time, one panel per cap.
 
     python -m benchmarks.pipeline                      # lan, 50 and 10 Mbit/s x 3 modes (~12 min)
     python -m benchmarks.pipeline --quick              # 4 steps, lan and 10 Mbit/s (~3 min)
     python -m benchmarks.pipeline --caps 10mbit --modes "sync fp32" "async int4_rot/int8" --steps 8
+    python -m benchmarks.pipeline --model CKPT --data DOCS --dtype fp32 --micro-batches 4 \
+        --modes "sync int4_rot/ecsq zstd" "async int4_rot/ecsq zstd"    # LoRA fine-tuning of a checkpoint
 
 Needs root (network namespaces); see docs/lab.md and docs/BENCHMARKS.md.
 """
@@ -138,7 +141,7 @@ def write_report(records: list[RunRecord], meta: dict, out: Path, name: str) -> 
         records,
         list(meta["caps"]),
         out / f"{name}.png",
-        f"Ravn, {w['model']} in 3 stages, {tokens_per_step} tokens/step, {w['steps']} steps",
+        f"Ravn, {Path(w['model']).name} in 3 stages, {tokens_per_step} tokens/step, {w['steps']} steps",
     )
     return text + f"\nplot: {out / f'{name}.png'}"
 
@@ -152,6 +155,10 @@ def main() -> None:
     ap.add_argument(
         "--micro-batches", type=int, default=Workload.micro_batches, help="K per step (ravn local's recipe: 4)"
     )
+    ap.add_argument("--model", default=Workload.model, help="a built-in preset, or a checkpoint's directory (LoRA)")
+    ap.add_argument("--data", default=None, help="training data (default: the standard library's source)")
+    ap.add_argument("--dtype", default=None, help="a checkpoint's dtype (e.g. fp32)")
+    ap.add_argument("--train-samples", type=int, default=0, help="a fixed set of N sequences, epoch after epoch")
     ap.add_argument(
         "--timed-from", type=int, default=0, help="time only the steps from this one on (e.g. 20: after the warm-up)"
     )
@@ -173,6 +180,10 @@ def main() -> None:
     caps = args.caps or (["lan", "10mbit"] if args.quick else ["lan", "50mbit", "10mbit"])
     steps = args.steps or (4 if args.quick else 16)
     workload = Workload(
+        model=args.model,
+        data=args.data,
+        dtype=args.dtype,
+        train_samples=args.train_samples,
         steps=steps,
         micro_batches=args.micro_batches,
         eval_every=args.eval_every or max(1, steps // 4),

@@ -54,6 +54,8 @@ RAVN_ECSQ = ("--wire-forward", "int3_rot", "--wire-backward", "ecsq", "--wire-zs
 # rank-32 factors for activations (docs/codecs.md, "Low rank"); with ecsq gradients gpt-medium's default
 RAVN_LOWRANK = ("--wire-forward", "lowrank", "--wire-backward", "int3_rot", "--wire-zstd", "on")
 RAVN_LOWRANK_ECSQ = ("--wire-forward", "lowrank", "--wire-backward", "ecsq", "--wire-zstd", "on")
+# a checkpoint's default (docs/codecs.md, "600 steps")
+RAVN_INT4_ECSQ = ("--wire-forward", "int4_rot", "--wire-backward", "ecsq", "--wire-zstd", "on")
 RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync fp32": RAVN_SYNC + RAVN_FP32,
     "async fp32": RAVN_ASYNC + RAVN_FP32,
@@ -72,6 +74,8 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     # before the measured window: all that S = 1 allows in flight, (S + 1) x the workload's 8 micro-batches
     "async int3_rot/int3_rot zstd in-flight 16": RAVN_ASYNC + ("--max-in-flight", "16") + RAVN_INT3_ZSTD,
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
+    "sync int4_rot/ecsq zstd": RAVN_SYNC + RAVN_INT4_ECSQ,
+    "async int4_rot/ecsq zstd": RAVN_ASYNC + RAVN_INT4_ECSQ,
 }
 
 
@@ -79,7 +83,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
 class Workload:
     """Model, batch and run length; every system in a comparison trains exactly this."""
 
-    model: str = "gpt-medium"
+    model: str = "gpt-medium"  # a built-in preset, or a Hugging Face checkpoint's directory (LoRA fine-tuning)
     steps: int = 16
     micro_batches: int = 8
     micro_batch_size: int = 4
@@ -88,10 +92,17 @@ class Workload:
     lr: float = DEFAULT_LR  # Ravn's default recipe, which the torch baseline trains too (clipping per stage)
     grad_clip: float = DEFAULT_GRAD_CLIP
     timed_from: int = 0  # steps before this are trained but not timed (the async schedule's sync warm-up)
+    data: str | None = None  # --data (default: the standard library's source)
+    dtype: str | None = None  # a checkpoint's --dtype
+    train_samples: int = 0  # --train-samples: a fixed set seen epoch after epoch (0: the stream)
 
     @property
     def context(self) -> int:
-        return MODEL_PRESETS[self.model].context
+        if self.model in MODEL_PRESETS:
+            return MODEL_PRESETS[self.model].context
+        from swarm.train.hf.checkpoint_check import default_context
+
+        return default_context(self.model)
 
     @property
     def tokens_per_step(self) -> int:
@@ -114,6 +125,9 @@ class Workload:
             "--lr", str(self.lr),
             "--grad-clip", str(self.grad_clip),
             "--checkpoint-every", "0",
+            *(["--data", self.data] if self.data else []),
+            *(["--dtype", self.dtype] if self.dtype else []),
+            *(["--train-samples", str(self.train_samples)] if self.train_samples else []),
             *mode,
         ]  # fmt: skip
 

@@ -112,3 +112,26 @@ def test_step_ends_come_from_the_measured_durations_not_the_bunched_report_arriv
     # a report arrives at or after its step's end (the first came at once; the other two together)
     steps = [{"time": 11.0, "seconds": 1.0}, {"time": 12.5, "seconds": 1.0}, {"time": 12.5, "seconds": 0.5}]
     assert step_ends(steps) == [11.0, 12.0, 12.5]
+
+
+@pytest.mark.lab
+def test_lora_fine_tuning_of_a_checkpoint_runs_in_the_lab(lab_ok, tmp_path):
+    """``benchmarks/pipeline.py --model DIR``: a checkpoint's LoRA fine-tuning, sync and async, on capped links."""
+    from benchmarks.lab import Lab
+    from benchmarks.pipeline_common import Workload, cap_links, run_ravn
+    from swarm.train.hf.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gpt2", n_layers=3)
+    data = tmp_path / "data.txt"
+    data.write_text("the swarm trains together over home links. " * 400)
+    workload = Workload(
+        model=str(ckpt), data=str(data), dtype="fp32", train_samples=32,
+        steps=4, micro_batches=4, micro_batch_size=2, eval_every=4,
+    )  # fmt: skip
+    for mode in ("sync int4_rot/ecsq zstd", "async int4_rot/ecsq zstd"):
+        with Lab(cap_links("50mbit"), coordinator=True) as lab:
+            run = run_ravn(lab, "50mbit", mode, workload, tmp_path / mode.replace(" ", "-").replace("/", "-"))
+        assert run.tokens == workload.steps * workload.tokens_per_step == 4 * 4 * 2 * 128
+        assert len(run.stages) == 3 and run.payload_bytes_per_token and run.wire_bytes_per_token > 0
+        sent = {codec for s in run.stages for codec in s.get("sent_codecs", {})}
+        assert {"forward:int4_rot", "backward:ecsq"} <= sent, sent

@@ -1,0 +1,32 @@
+"""The lab benchmarks' workload: a built-in preset, or LoRA fine-tuning of a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))  # benchmarks/ is not an installed package
+
+from benchmarks.pipeline_common import RAVN_MODES, Workload  # noqa: E402
+
+
+def test_a_preset_workload_passes_no_data_flags():
+    args = Workload(micro_batches=4).ravn_args(RAVN_MODES["sync fp32"])
+    assert "--data" not in args and "--dtype" not in args and "--train-samples" not in args
+    assert Workload().tokens_per_step == 8 * 4 * 128
+
+
+def test_a_checkpoint_workload_trains_at_its_context_on_the_given_data(tmp_path):
+    from swarm.train.hf.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "gpt2")  # 128 positions: under the default 512
+    w = Workload(model=str(ckpt), data="docs", dtype="fp32", train_samples=64, micro_batches=4, micro_batch_size=2)
+    assert w.context == 128 and w.tokens_per_step == 4 * 2 * 128
+    args = w.ravn_args(RAVN_MODES["async int4_rot/ecsq zstd"])
+    flags = dict(zip(args[::2], args[1::2], strict=False))
+    assert flags["--model"] == str(ckpt) and flags["--data"] == "docs" and flags["--dtype"] == "fp32"
+    assert flags["--train-samples"] == "64"
+    assert ("--wire-forward", "int4_rot") in zip(args, args[1:], strict=False)
+    assert ("--schedule", "async") in zip(args, args[1:], strict=False)
