@@ -207,7 +207,7 @@ class Driver:
         runner = stage.runner
         train = not mb.eval
         result = await stage.compute(
-            lambda: runner.forward(mb.id, x, y if runner.is_last else None, train=train), priority=FORWARD
+            lambda: runner.forward(mb.id, x, y if runner.is_last else None, train=train, step=mb.step), priority=FORWARD
         )
         if runner.is_last:  # a single-stage swarm: the loss is already here
             self._account(mb, result.loss_sum, result.tokens, dropped=False)

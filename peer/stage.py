@@ -366,7 +366,7 @@ class Stage:
             return pb.Packet(gradients=pb.Gradients(mb=act.mb, dropped=True))
         if rows is not None:
             rows.commit(act, x)
-        result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval)
+        result = runner.forward(act.mb.id, x, targets, train=not act.mb.eval, step=act.mb.step)
         if not act.mb.eval:
             self.replicas.received(act.mb.step, sender)
         if result.output is not None:

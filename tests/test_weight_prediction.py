@@ -57,7 +57,7 @@ def test_the_gradients_already_in_bring_the_prediction_nearer_the_update() -> No
             assert key[1:] == (1, known)  # one update ahead, made with `known` gradients in
             with_known = {n: t.clone() for n, t in r.kept._kept[key].items()}
             lr = r.train_cfg.lr_at(r.version) * r.lr_scale
-            moments_only = predict_adamw(r.optimizer, r._named_trainable(), lr, 0, K, r.train_cfg.grad_clip)
+            moments_only = predict_adamw(r.optimizer, r._named_trainable(), lr, 0, K, K, r.train_cfg.grad_clip)
             before = {n: p.detach().clone() for n, p in r._named_trainable()}
             for i in range(known, K):
                 r.backward(mb + i, noisy_gradient())
@@ -100,3 +100,65 @@ def test_predictions_are_kept_per_gradients_in_and_let_go_with_their_graphs() ->
     for mb in (2 * K, 2 * K + 1, 2 * K + 2):
         assert r.backward(mb, noisy_gradient()).staleness == 1
     assert r.kept.held_bytes == 0
+
+
+def middle_replica() -> StageRunner:
+    """A replica of a middle block: it sees only its share of each step, counted from step markers."""
+    tc = TrainConfig(
+        micro_batches=K, micro_batch_size=2, schedule="async", max_staleness=1, warmup_steps=0, lr=1e-2, grad_clip=1.0
+    )
+    r = StageRunner(ModelConfig(n_layers=3, d_model=16, n_heads=2, context=8, seed=1), tc, 1, 2, "cpu")
+    r.use_quotas()
+    return r
+
+
+def test_a_replica_predicts_from_the_step_its_micro_batch_belongs_to() -> None:
+    """A replica's late forward runs on the weights predicted for its gradient's update, as a whole stage's does
+    (it used to run on the live weights: a replica cannot count the step from the micro-batches it sees)."""
+    torch.manual_seed(0)
+    r = middle_replica()
+    share = 2  # of K: the other replica gets the rest
+    x = torch.randn(2, 8, 16)
+    mb = 0
+    for step in range(20):  # fresh steps: moments exist
+        for _ in range(share):
+            r.forward(mb, x, step=step)
+            r.backward(mb, noisy_gradient())
+            mb += 1
+        assert r.expect(share) and r.version == step + 1
+    gains = []
+    for step in range(20, 32, 2):
+        r.forward(mb, x, step=step)
+        r.forward(mb + 1, x, step=step)
+        r.forward(mb + 2, x, step=step + 1)  # late: its gradient lands after this step's update
+        r.backward(mb, noisy_gradient())
+        r.forward(mb + 3, x, step=step + 1)  # the step's share not yet known: one gradient in, of the last share
+        assert [r._pending[m].weights[1:] for m in (mb + 1, mb + 2, mb + 3)] == [(0, 0), (1, 0), (1, 1)]
+        predicted = {n: t.clone() for n, t in r.kept._kept[r._pending[mb + 3].weights].items()}
+        before = {n: p.detach().clone() for n, p in r._named_trainable()}
+        r.backward(mb + 1, noisy_gradient())
+        assert r.expect(share) and r.version == step + 1
+        after = {n: p.detach().clone() for n, p in r._named_trainable()}
+        gains.append(distance(predicted, after) / distance(before, after))
+        for m in (mb + 2, mb + 3):
+            assert r.backward(m, noisy_gradient()).staleness == 1
+        assert r.expect(share) and r.version == step + 2
+        mb += 4
+    assert sum(gains) / len(gains) < 0.75, gains  # live weights would miss by a whole update (1.0)
+
+
+def test_the_step_a_sender_claims_moves_the_prediction_at_most_within_the_bound() -> None:
+    r = first_stage()
+    x = torch.randint(0, 256, (2, 8))
+    for mb in range(K):
+        r.forward(mb, x, step=0)
+        r.backward(mb, noisy_gradient())
+    r.forward(K, x, step=1)
+    r.forward(K + 1, x, step=10**9)  # a lie from far ahead: S updates at most
+    r.forward(K + 2, x, step=0)  # from the past: the live weights
+    assert [r._pending[m].weights[1] for m in (K, K + 1, K + 2)] == [0, 1, 0]
+    r.forward(K + 3, x)  # no step given: counted from the micro-batches in flight, as the claim would be
+    assert r._pending[K + 3].weights[1] == 0
+    for m in range(K + 4, 2 * K + 1):
+        r.forward(m, x)
+    assert r._pending[2 * K].weights[1] == 1

@@ -98,6 +98,7 @@ class StageRunner:
         self.pending_checkpoint: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._backwards = 0
         self._quotas: deque[int] | None = None  # a replica: gradients per step, learned from step markers
+        self._last_share = train_cfg.micro_batches  # a replica: its share of the last step it took
         self.anchor: dict[str, torch.Tensor] | None = None  # a replica: parameters the group last agreed on
         self._outer_momentum: dict[str, torch.Tensor] = {}
         self._late = self._applied = 0  # this step's applied gradients and the versions they were late, summed
@@ -154,9 +155,18 @@ class StageRunner:
                 )
 
     def forward(
-        self, mb_id: int, x: torch.Tensor, targets: torch.Tensor | None = None, *, train: bool = True
+        self,
+        mb_id: int,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        train: bool = True,
+        step: int | None = None,
     ) -> ForwardResult:
-        """Run this block on one micro-batch; the last stage also computes the loss (and its backward)."""
+        """Run this block on one micro-batch; the last stage also computes the loss (and its backward).
+
+        ``step``: the data source's step the micro-batch belongs to (None: the next one this stage's count of
+        micro-batches implies, which only a stage that sees every micro-batch can tell)."""
         self._check_input(x, targets)
         if train and mb_id in self._pending:
             raise StageInputError(f"micro-batch {mb_id} is already in flight on this stage")
@@ -178,7 +188,7 @@ class StageRunner:
             if self.is_last:
                 out = self.model(x_in)
             else:
-                ahead = self._updates_before_backward()
+                ahead = self._updates_before_backward(step)
                 weights = self.kept.look_ahead(ahead, self._predicted_weights, known=self._backwards)
                 with self.kept.using(weights), self.kept.saving():
                     out = self.model(x_in)
@@ -244,23 +254,35 @@ class StageRunner:
         self.metrics.compute_seconds += time.perf_counter() - t0
         return BackwardResult(input_grad=input_grad, stepped=stepped, staleness=staleness)
 
-    def _updates_before_backward(self) -> int:
-        """Optimizer steps this stage will take before the gradient of a micro-batch forwarded now comes back.
+    def _updates_before_backward(self, step: int | None) -> int:
+        """Optimizer steps this stage will take before the gradient of a micro-batch of ``step`` comes back.
 
-        Gradients come back in the order of their forwards, and the stage steps after every K of them, so
-        the micro-batches already in flight decide it exactly (unless one is dropped). At most S: a later
-        gradient is dropped anyway. Replicas step by learned quotas; they predict nothing."""
+        Every holder steps once per data step (a replica after its share), so ``step - version`` updates come
+        first; at most S (a later gradient is dropped anyway), at least 0, whatever a sender claims. Without
+        the step, a stage that sees every micro-batch counts it: it steps after every K gradients, in order."""
         bound = self.train_cfg.staleness_bound
-        if bound == 0 or self._quotas is not None:
+        if bound == 0:
             return 0
-        return min(bound, (self._backwards + len(self._pending)) // self.train_cfg.micro_batches)
+        if step is None:
+            if self._quotas is not None:
+                return 0  # a replica sees part of each step: its count says nothing of the step
+            step = self.version + (self._backwards + len(self._pending)) // self.train_cfg.micro_batches
+        return max(0, min(bound, step - self.version))
+
+    def _share_in_progress(self) -> int:
+        """Micro-batches the step in progress applies here: K, or a replica's share (its last until the marker)."""
+        if self._quotas is None:
+            return self.train_cfg.micro_batches
+        return self._quotas[0] if self._quotas else self._last_share
 
     def _predicted_weights(self, steps: int, known: int) -> dict[str, torch.Tensor] | None:
         """The trainable weights after ``steps`` more AdamW updates, at the learning rates of those steps,
         the next one including the ``known`` gradients of this step that are already in."""
-        lr = sum(self.train_cfg.lr_at(self.version + i) for i in range(steps)) * self.lr_scale
-        cfg = self.train_cfg
-        return predict_adamw(self.optimizer, self._named_trainable(), lr, known, cfg.micro_batches, cfg.grad_clip)
+        cfg, named = self.train_cfg, self._named_trainable()
+        lr = sum(cfg.lr_at(self.version + i) for i in range(steps)) * self.lr_scale
+        return predict_adamw(
+            self.optimizer, named, lr, known, self._share_in_progress(), cfg.micro_batches, cfg.grad_clip
+        )
 
     def model_output_shape(self, x_in: torch.Tensor) -> tuple[int, ...]:
         return (*x_in.shape[:2], self.model_cfg.d_model)
@@ -309,7 +331,7 @@ class StageRunner:
     def _step_by_quota(self) -> bool:
         stepped = False
         while self._quotas and self._backwards >= self._quotas[0]:
-            share = self._quotas.popleft()
+            share = self._last_share = self._quotas.popleft()
             self._backwards -= share
             k = self.train_cfg.micro_batches
             if 0 < share != k:  # the mean over this replica's share, like data parallelism's local batch:

@@ -10,7 +10,8 @@ What a prediction cannot know is the next update's new gradient, which enters th
 rho ~0.5). But part of that gradient is known when the forward runs: the gradients of the step in progress
 that have already come back, ``known`` of its K. They enter the predicted first moment, the rest of the step's
 gradient taken as its expectation, (K - known) / K of the current first moment, and the sum clipped as the
-step will clip it. Over 600 steps of gpt-medium in a swarm of 3 peers, the first stage's prediction missed by
+step will clip it. A replica applies only its share of each step, scaled to the step's size, and predicts the
+same way over its share. Over 600 steps of gpt-medium in a swarm of 3 peers, the first stage's prediction missed by
 0.49 of an update with none in, 0.40, 0.32 and 0.23 with 1, 2 and 3 of 4 in, and async's loss cost fell by 1.4
 points (docs/BENCHMARKS.md, "Weight prediction with the gradients already in").
 """
@@ -25,23 +26,26 @@ def predict_adamw(
     named_params: list[tuple[str, torch.nn.Parameter]],
     lr: float,
     known: int,
+    share: int,
     micro_batches: int,
     grad_clip: float,
 ) -> dict[str, torch.Tensor] | None:
     """The parameters after updates summing to ``lr``, the first including the ``known`` gradients in ``.grad``.
 
     ``lr`` is the sum of the coming updates' learning rates; every update after the first is taken along the
-    same direction. None before the first update (no moments yet)."""
+    same direction. The next update applies ``share`` of the step's ``micro_batches`` gradients here (fewer on a
+    replica, which scales their sum by ``micro_batches / share`` at its step). None before the first update (no
+    moments yet)."""
     states = [optimizer.state.get(p) for _, p in named_params]
     if not all(states):
         return None
-    partial = 0 < known < micro_batches
+    partial = 0 < known < share
     first_moments = [s["exp_avg"] for s in states]
     if partial:
         with torch.no_grad():
-            rest = (micro_batches - known) / micro_batches
+            rest, scale = (share - known) / share, micro_batches / share
             step_grads = [
-                m * rest if p.grad is None else p.grad + m * rest
+                m * rest if p.grad is None else p.grad * scale + m * rest
                 for (_, p), m in zip(named_params, first_moments, strict=True)
             ]
             clip = 1.0
