@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.config import ModelConfig, TrainConfig
-from swarm.train.kept_weights import KeptWeights
+from swarm.train.kept_weights import KeptWeights, Key
 from swarm.train.model import StageModel
 from swarm.train.weight_prediction import predict_adamw
 
@@ -51,7 +51,7 @@ class _InFlight:
     x_in: torch.Tensor
     out: torch.Tensor | None  # its graph, on the weight generation it was built with; None: let go, too stale
     version: int  # the optimizer steps its forward had seen
-    weights: tuple[int, int]  # KeptWeights' key of the weights its forward ran on
+    weights: Key  # KeptWeights' key of the weights its forward ran on
 
 
 @dataclass
