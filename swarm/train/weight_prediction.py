@@ -45,7 +45,7 @@ def predict_adamw(
         with torch.no_grad():
             rest, scale = (share - known) / share, micro_batches / share
             step_grads = [
-                m * rest if p.grad is None else p.grad * scale + m * rest
+                m * rest if p.grad is None else (m * rest).add_(p.grad, alpha=scale)
                 for (_, p), m in zip(named_params, first_moments, strict=True)
             ]
             clip = 1.0
