@@ -133,17 +133,17 @@ def test_averaging_moves_replicas_to_the_same_parameters_and_keeps_local_progres
     for r in (a, b):
         r.use_quotas()
         r.start_averaging()
-    assert a.anchor_digest() == b.anchor_digest()  # same seed, same start
+    assert a.agreed.digest() == b.agreed.digest()  # same seed, same start
     for i, r in enumerate((a, b)):
         r.expect(2)
         _fwd_bwd(r, 1, 10 + i)
         _fwd_bwd(r, 2, 20 + i)
-    da, db = a.average_delta(), b.average_delta()
+    da, db = a.agreed.delta(), b.agreed.delta()
     mean = {k: (da[k] + db[k]) / 2 for k in da}
     a.forward(3, torch.randn(2, 8, CFG.d_model))  # in flight across the average: its graph must not break
     for r, own in ((a, da), (b, db)):
         r.apply_average(mean, own, outer_lr=1.0, momentum=0.0)
-    assert a.anchor_digest() == b.anchor_digest()
+    assert a.agreed.digest() == b.agreed.digest()
     for (_, pa), (_, pb_) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         assert float((pa - pb_).detach().abs().max()) <= 1e-6
     a.expect(1)
@@ -157,12 +157,12 @@ def test_nesterov_outer_step_is_the_same_on_every_replica() -> None:
     a, b = _runner(), _runner()
     for r in (a, b):
         r.start_averaging()
-    change = {k: torch.full_like(v, 0.01) for k, v in a.average_delta().items()}
+    change = {k: torch.full_like(v, 0.01) for k, v in a.agreed.delta().items()}
     zero = {k: torch.zeros_like(v) for k, v in change.items()}
     for r in (a, b):
         r.apply_average(change, zero, outer_lr=0.7, momentum=0.9)
         r.apply_average(change, zero, outer_lr=0.7, momentum=0.9)
-    assert a.anchor_digest() == b.anchor_digest()
+    assert a.agreed.digest() == b.agreed.digest()
     name, p = next(iter(a.model.named_parameters()))
     start = _runner().model.state_dict()[name]
     # two Nesterov outer steps on a constant change c: 0.7*(c + 0.9c) + 0.7*(c + 0.9*1.9c)

@@ -64,13 +64,13 @@ class ReplicaSet:
         if view.is_first:
             raise AssignmentError("the first block (the data source) cannot have replicas")
         runner.start_averaging()
-        self.anchor_digest = runner.anchor_digest()
+        self.anchor_digest = runner.agreed.digest()
         self.group = AverageGroup(
             view.peer_id,
             {p: multiaddr_to_grpc_target(e) for p, e in view.replicas.items()},
             run_id=run_id,
             layers=view.layers,
-            shapes={n: tuple(t.shape) for n, t in runner.anchor.items()},
+            shapes={n: tuple(t.shape) for n, t in runner.agreed.anchor.items()},
             codec=train.average_codec,
             timeout=train.average_timeout,
             channel=channel,
@@ -166,7 +166,7 @@ class ReplicaSet:
         group, runner = self.group, self.runner
         if group is None:
             return False
-        own = await compute(runner.average_delta, priority=BACKWARD)
+        own = await compute(runner.agreed.delta, priority=BACKWARD)
         result = await group.contribute(number, own)
         if result is None:
             return False
@@ -175,7 +175,7 @@ class ReplicaSet:
 
         def apply() -> str:
             runner.apply_average(average, own, train.outer_lr, train.outer_momentum)
-            return runner.anchor_digest()
+            return runner.agreed.digest()
 
         self.anchor_digest = await compute(apply, priority=BACKWARD)
         group.rounds_applied += 1

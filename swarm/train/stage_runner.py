@@ -7,7 +7,6 @@ stays a thin shell. It is not thread-safe: the daemon calls it from one compute 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.config import ModelConfig, TrainConfig
+from swarm.train.agreed_parameters import AgreedParameters
 from swarm.train.kept_weights import KeptWeights, Key
 from swarm.train.model import StageModel
 from swarm.train.weight_prediction import predict_adamw
@@ -99,8 +99,7 @@ class StageRunner:
         self._backwards = 0
         self._quotas: deque[int] | None = None  # a replica: gradients per step, learned from step markers
         self._last_share = train_cfg.micro_batches  # a replica: its share of the last step it took
-        self.anchor: dict[str, torch.Tensor] | None = None  # a replica: parameters the group last agreed on
-        self._outer_momentum: dict[str, torch.Tensor] = {}
+        self.agreed: AgreedParameters | None = None  # a replica: the parameters its group last agreed on
         self._late = self._applied = 0  # this step's applied gradients and the versions they were late, summed
         self.lr_scale = 1.0  # the last step's staleness_lr_scale; weight prediction assumes it holds
 
@@ -347,52 +346,17 @@ class StageRunner:
 
     def start_averaging(self) -> None:
         """Remember the parameters every replica starts from (same seed or same checkpoint)."""
-        self.anchor = {n: p.detach().clone() for n, p in self._named_trainable()}
-        self._outer_momentum = {}
-
-    def average_delta(self) -> dict[str, torch.Tensor]:
-        """This replica's change since the last agreed parameters: what it contributes to an average."""
-        if self.anchor is None:
-            raise RuntimeError("start_averaging() first")
-        return {n: (p.detach() - self.anchor[n]).cpu() for n, p in self._named_trainable()}
+        self.agreed = AgreedParameters(self._named_trainable())
 
     def apply_average(
         self, average: dict[str, torch.Tensor], own: dict[str, torch.Tensor], outer_lr: float, momentum: float
     ) -> None:
-        """Move to the group's agreed parameters, keeping the local progress made since ``own`` was taken.
-
-        The outer step is DiLoCo's: the averaged change, scaled by ``outer_lr``, with optional Nesterov
-        momentum. Every replica applies the same bytes to the same anchor, so the anchors agree exactly.
-        """
-        if self.anchor is None:
+        """Move to the group's agreed parameters (``AgreedParameters.apply``), keeping these weights for the
+        graphs in flight first."""
+        if self.agreed is None:
             raise RuntimeError("start_averaging() first")
-        missing = set(self.anchor) - set(average)
-        if missing:
-            raise ValueError(f"the average lacks {sorted(missing)[:3]}")
         self._keep_for_graphs()
-        with torch.no_grad():
-            for name, p in self._named_trainable():
-                change = average[name].to(device=p.device, dtype=p.dtype)
-                if tuple(change.shape) != tuple(p.shape) or not bool(torch.isfinite(change).all()):
-                    raise ValueError(f"the average of {name} has shape {list(change.shape)} or non-finite values")
-                if momentum:
-                    m = self._outer_momentum.get(name)
-                    m = change.clone() if m is None else m.mul_(momentum).add_(change)
-                    self._outer_momentum[name] = m
-                    change = change + momentum * m
-                step = change * outer_lr
-                p.add_(step - own[name].to(device=p.device, dtype=p.dtype))
-                self.anchor[name].add_(step)
-
-    def anchor_digest(self) -> str:
-        """A fingerprint of the agreed parameters: equal on every replica after each average."""
-        if self.anchor is None:
-            return ""
-        h = hashlib.sha256()
-        for name in sorted(self.anchor):
-            h.update(name.encode())
-            h.update(self.anchor[name].detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()[:16]
+        self.agreed.apply(average, own, outer_lr, momentum)
 
     def step(self) -> None:
         """Apply the accumulated gradients; the weight version counts these steps."""
@@ -476,7 +440,7 @@ class StageRunner:
         self._backwards = self._late = self._applied = 0
         if self._quotas is not None:
             self._quotas.clear()
-        if self.anchor is not None:
+        if self.agreed is not None:
             self.start_averaging()
 
 
