@@ -63,8 +63,7 @@ class Driver:
         self._task: asyncio.Task | None = None
         self._stop = False
         self._first_step = 0
-        self._step_loss = 0.0
-        self._step_tokens = 0
+        self._step_loss: dict[int, tuple[float, int]] = {}  # step -> its loss and tokens so far
         self._step_t0 = time.perf_counter()
         self._reports: asyncio.Queue[cpb.StepResult | cpb.EvalResult | object | None] = asyncio.Queue()
         self.dropped = 0
@@ -161,7 +160,7 @@ class Driver:
                     self._admitted_at[mb.id] = time.monotonic()
                 await self._forward(mb, x, y)
             await self._until(lambda: adm.in_flight == 0, "the last gradients")
-            last = first_step + adm.processed // k - 1
+            last = first_step + adm.steps_done - 1
             await self._put_eval(await self.evaluate(last))
             await self._reports.put(None)
             await reporter
@@ -231,7 +230,8 @@ class Driver:
             if fut is not None and not fut.done():
                 fut.set_result((loss_sum, tokens, dropped))
             return
-        self.admission.complete()
+        k = self.train.micro_batches
+        finished = self.admission.complete((mb.step - self._first_step) * k + mb.index)
         admitted_at = self._admitted_at.pop(mb.id, None)
         if self.window is not None and admitted_at is not None and not dropped:
             now = time.monotonic()
@@ -240,23 +240,21 @@ class Driver:
             if size != self.admission.window:
                 log.debug("pipeline window: %s micro-batches in flight", size)
             self.admission.window = size
+        loss, tokens_so_far = self._step_loss.get(mb.step, (0.0, 0))
         if dropped:
             self.dropped += 1
         else:
-            self._step_loss += loss_sum
-            self._step_tokens += tokens
-        if self.admission.processed % self.train.micro_batches == 0:
+            self._step_loss[mb.step] = (loss + loss_sum, tokens_so_far + tokens)
+        done = self._first_step + self.admission.steps_done
+        for step in range(done - finished, done):  # in order, each with its own micro-batches' loss
             now = time.perf_counter()
-            step = self._first_step + self.admission.processed // self.train.micro_batches - 1
+            loss, tokens_so_far = self._step_loss.pop(step, (0.0, 0))
             self._reports.put_nowait(
                 cpb.StepResult(
-                    step=step,
-                    loss=self._step_loss / max(self._step_tokens, 1),
-                    tokens=self._step_tokens,
-                    seconds=now - self._step_t0,
+                    step=step, loss=loss / max(tokens_so_far, 1), tokens=tokens_so_far, seconds=now - self._step_t0
                 )
             )
-            self._step_loss, self._step_tokens, self._step_t0 = 0.0, 0, now
+            self._step_t0 = now
         self._changed.set()
 
     async def _put_eval(self, result: cpb.EvalResult | None) -> None:

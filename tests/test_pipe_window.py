@@ -48,7 +48,7 @@ def simulate(forward: list[float], backward: list[float], hop: float, *, k: int,
 
     def admit(now: float) -> None:
         while adm.admitted < steps * k and adm.can_admit():
-            version_at_forward[adm.admitted] = adm.processed // k
+            version_at_forward[adm.admitted] = adm.steps_done
             admitted_at[adm.admitted] = now
             push(serve(0, now, forward[0]) + hop, "forward", adm.admit(), 1)
 
@@ -57,8 +57,8 @@ def simulate(forward: list[float], backward: list[float], hop: float, *, k: int,
         now, _, kind, mb, stage = heapq.heappop(events)
         area, last = area + adm.in_flight * (now - last), now
         if kind == "done":
-            stale.append(adm.processed // k - version_at_forward[mb])
-            adm.complete()
+            stale.append(adm.steps_done - version_at_forward[mb])
+            adm.complete(mb)
             if pipe is not None:
                 pipe.completed(now, now - admitted_at[mb])
                 adm.window = pipe.size()

@@ -28,7 +28,7 @@ def test_zero_staleness_is_gpipe() -> None:
             admitted += 1
         assert admitted == 4 and a.in_flight == 4  # one step's micro-batches, then wait for all of them
         for _ in range(4):
-            a.complete()
+            a.complete(a.processed)
 
 
 def test_the_warm_up_is_admitted_synchronously_then_up_to_s_steps_ahead() -> None:
@@ -39,7 +39,7 @@ def test_the_warm_up_is_admitted_synchronously_then_up_to_s_steps_ahead() -> Non
             a.admit()
         ahead.append(a.in_flight)
         while a.in_flight:
-            a.complete()
+            a.complete(a.processed)
     # step 0 alone (sync); step 1 alone too, but step 2 (past the warm-up) may go out before step 1 is back
     assert ahead == [2, 4, 4]
 
@@ -79,12 +79,12 @@ def test_admission_never_breaks_the_bound(k: int, s: int, cap: int, moves: list[
     version_at_forward: list[int] = []
     for admit in moves:
         if admit and a.can_admit():
-            version_at_forward.append(a.processed // k)
+            version_at_forward.append(a.steps_done)
             a.admit()
         elif a.in_flight:
             seq = a.processed
-            assert a.processed // k - version_at_forward[seq] <= s
-            a.complete()
+            assert a.steps_done - version_at_forward[seq] <= s
+            a.complete(seq)
         assert a.in_flight <= cap
 
 

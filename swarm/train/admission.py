@@ -1,11 +1,11 @@
 """Admission under bounded staleness: when may the data source start the next micro-batch?
 
-Every stage steps its optimizer after each ``K`` micro-batches of gradient, so a stage's weight
-version is the number of gradients it has processed divided by K. In a chain that processes
-micro-batches in order, the first stage has the longest round trip, so its staleness bounds every
-other stage's: a micro-batch admitted as number ``i`` while the first stage has processed ``b``
-gradients will meet version ``floor(i / K)`` at its backward, having seen ``floor(b / K)`` at its
-forward. Admitting only while that gap is at most ``S`` bounds staleness by S everywhere; ``S = 0``
+Every stage steps its optimizer once a step's ``K`` micro-batches of gradient are through it, so a stage's
+weight version is the number of whole steps it has processed, whatever order their gradients came back in
+(replicas of a later stage return them out of order). The first stage has the longest round trip, so its
+staleness bounds every other stage's: a micro-batch of step ``t`` admitted while the first stage has
+processed ``d`` whole steps meets version ``t`` at its backward at most, having seen ``d`` at its forward.
+Admitting only while that gap is at most ``S`` bounds staleness by S everywhere; ``S = 0``
 is exactly the synchronous GPipe schedule (a step's K micro-batches, then the update, then the next).
 Stages still check on their own and drop any gradient that would break the bound (a slow or
 recovering peer), so the bound holds even when this prediction is wrong.
@@ -35,6 +35,8 @@ class Admission:
     window: int | None = None  # micro-batches that fill the pipeline (PipeWindow), for the 2+ late; None: S
     admitted: int = 0
     processed: int = 0  # gradients back at the first stage (applied or dropped)
+    steps_done: int = 0  # leading steps whose every gradient is back: the first stage's weight version
+    _back: dict[int, int] = field(default_factory=dict)  # gradients back of the steps after those
 
     def __post_init__(self) -> None:
         if self.micro_batches <= 0 or self.max_staleness < 0 or self.max_in_flight <= 0:
@@ -46,7 +48,7 @@ class Admission:
 
     def staleness_if_admitted(self) -> int:
         """Versions between this stage's forward and backward of the next micro-batch."""
-        return self.admitted // self.micro_batches - self.processed // self.micro_batches
+        return self.admitted // self.micro_batches - self.steps_done
 
     def can_admit(self) -> bool:
         bound = 0 if self.admitted < self.sync_admissions else self.max_staleness
@@ -65,10 +67,19 @@ class Admission:
         self.admitted += 1
         return self.admitted - 1
 
-    def complete(self) -> None:
-        if self.processed >= self.admitted:
-            raise RuntimeError("more gradients came back than micro-batches were admitted")
+    def complete(self, seq: int) -> int:
+        """The gradient of admission number ``seq`` is back (applied or dropped); the steps that finished."""
+        step = seq // self.micro_batches
+        if not 0 <= seq < self.admitted or step < self.steps_done or self._back.get(step, 0) >= self.micro_batches:
+            raise RuntimeError(f"gradient of admission {seq} came back twice, or was never admitted")
         self.processed += 1
+        self._back[step] = self._back.get(step, 0) + 1
+        finished = 0
+        while self._back.get(self.steps_done) == self.micro_batches:
+            del self._back[self.steps_done]
+            self.steps_done += 1
+            finished += 1
+        return finished
 
 
 @dataclass

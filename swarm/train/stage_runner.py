@@ -17,6 +17,7 @@ from swarm.config import ModelConfig, TrainConfig
 from swarm.train.agreed_parameters import AgreedParameters
 from swarm.train.kept_weights import KeptWeights, Key
 from swarm.train.model import StageModel
+from swarm.train.step_gradients import StepGradients
 from swarm.train.weight_prediction import predict_adamw
 
 MAX_ABS_ACTIVATION = 1e6  # pre-norm hidden states of a sane model stay far below this
@@ -52,6 +53,7 @@ class _InFlight:
     out: torch.Tensor | None  # its graph, on the weight generation it was built with; None: let go, too stale
     version: int  # the optimizer steps its forward had seen
     weights: Key  # KeptWeights' key of the weights its forward ran on
+    step: int | None  # the data step it belongs to (None: not told)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class StageRunner:
         self.metrics = StageMetrics()
         self._pending: dict[int, _InFlight] = {}
         self.kept = KeptWeights(self._named_trainable())
+        self.held = StepGradients(self.trainable)  # gradients of later steps that overtook this one's
         self.pending_checkpoint: tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
         self._backwards = 0
         self._quotas: deque[int] | None = None  # a replica: gradients per step, learned from step markers
@@ -193,7 +196,7 @@ class StageRunner:
                     out = self.model(x_in)
             self.metrics.forward += 1
             if not self.is_last:
-                self._pending[mb_id] = _InFlight(x_in, out, self.version, self.kept.track(weights))
+                self._pending[mb_id] = _InFlight(x_in, out, self.version, self.kept.track(weights), step)
                 self.metrics.in_flight_peak = max(self.metrics.in_flight_peak, len(self._pending))
                 return ForwardResult(output=out.detach())
             loss = self.model.loss_sum(out, targets.to(self.device).long())
@@ -233,23 +236,27 @@ class StageRunner:
             if not grad_output.is_floating_point() or not bool(torch.isfinite(grad_output).all()):
                 raise StageInputError("gradient is not a finite floating-point tensor")
         del self._pending[mb_id]
-        staleness = self.version - entry.version
+        ahead = self._steps_before(entry.step)  # > 0: it overtook gradients of earlier steps, held till theirs
+        staleness = self.version + ahead - entry.version  # as of the update that applies it
         if grad_output is None or entry.out is None or staleness > self.train_cfg.staleness_bound:
             self.metrics.dropped += 1
             if entry.out is not None:
                 self.kept.release(entry.weights)
+            if ahead:
+                self.held.count(entry.step, None)
+                return BackwardResult(dropped=True, staleness=staleness)
             stepped = self.count_lost()  # a drop still belongs to its step: versions must not lag the data
             return BackwardResult(dropped=True, staleness=staleness, stepped=stepped)
         t0 = time.perf_counter()
         grad = grad_output.to(device=self.device, dtype=torch.float32)
         try:
-            with self.kept.using(entry.weights):
+            with self.kept.using(entry.weights), self.held.gathering(entry.step if ahead else None):
                 entry.out.backward(grad)
         finally:
             self.kept.release(entry.weights)
         input_grad = None if self.is_first else entry.x_in.grad
         self.metrics.backward += 1
-        stepped = self._after_backward(staleness)
+        stepped = self._after_backward(staleness, entry.step if ahead else None)
         self.metrics.compute_seconds += time.perf_counter() - t0
         return BackwardResult(input_grad=input_grad, stepped=stepped, staleness=staleness)
 
@@ -267,6 +274,14 @@ class StageRunner:
                 return 0  # a replica sees part of each step: its count says nothing of the step
             step = self.version + (self._backwards + len(self._pending)) // self.train_cfg.micro_batches
         return max(0, min(bound, step - self.version))
+
+    def _steps_before(self, step: int | None) -> int:
+        """Updates here before a gradient of ``step`` applies: 0, or, when micro-batches of earlier steps are
+        still in flight here (it overtook them), the steps from the oldest of those to its own."""
+        if step is None:
+            return 0
+        earlier = [e.step for e in self._pending.values() if e.step is not None and e.step < step]
+        return step - min(earlier) if earlier else 0
 
     def _share_in_progress(self) -> int:
         """Micro-batches the step in progress applies here: K, or a replica's share (its last until the marker)."""
@@ -293,8 +308,11 @@ class StageRunner:
             self.kept.release(entry.weights)
         return entry is not None
 
-    def _after_backward(self, staleness: int) -> bool:
+    def _after_backward(self, staleness: int, held_for: int | None = None) -> bool:
         self.metrics.staleness[staleness] = self.metrics.staleness.get(staleness, 0) + 1
+        if held_for is not None:
+            self.held.count(held_for, staleness)
+            return False
         self._late += staleness
         self._applied += 1
         return self._micro_batch_done()
@@ -304,11 +322,21 @@ class StageRunner:
         self._backwards += 1
         if self._quotas is not None:
             return self._step_by_quota()
-        if self._backwards >= self.train_cfg.micro_batches:
+        stepped = False
+        while self._backwards >= self.train_cfg.micro_batches:  # a held step may come in whole
             self._backwards -= self.train_cfg.micro_batches
             self.step()
-            return True
-        return False
+            stepped = True
+        return stepped
+
+    def _take_held(self) -> None:
+        """After a step: the oldest held step is next, unless micro-batches of an earlier one are in flight."""
+        step = self.held.oldest()
+        if step is not None and self._steps_before(step) == 0:
+            held = self.held.install(step)
+            self._backwards += held.done
+            self._late += held.late
+            self._applied += held.applied
 
     # ---- replicas -------------------------------------------------------------------------------
     def use_quotas(self) -> None:
@@ -378,6 +406,7 @@ class StageRunner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        self._take_held()
         every = self.train_cfg.checkpoint_every
         if every and self.version % every == 0:  # taken here, so no later step can slip in before it
             self.pending_checkpoint = (self.version, *self.checkpoint_state())
@@ -437,6 +466,7 @@ class StageRunner:
         self.version = version
         self._pending.clear()
         self.kept.clear()
+        self.held.clear()
         self._backwards = self._late = self._applied = 0
         if self._quotas is not None:
             self._quotas.clear()
