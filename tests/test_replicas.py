@@ -111,3 +111,37 @@ def test_sigkill_of_a_replica_during_averaging_keeps_the_swarm_training(tmp_path
     assert "averaging stops" in leader_log
     evals = [m["loss"] for m in metrics if m["kind"] == "eval"]
     assert evals[-1] < evals[0] and all(e == e for e in evals)
+
+
+@pytest.mark.slow  # a whole swarm for a minute: keeps the default suite under 10 minutes
+def test_async_with_replicas_applies_every_micro_batch_once_per_its_own_step(tmp_path: Path) -> None:
+    """Two replicas return gradients out of order; before `0b9092b` the first stage stepped after any K of them
+    and, under S = 1, dropped the ones overtaken by a later step's (1-5% in 300-step runs)."""
+    steps, k = 40, 4
+    proc = _local(
+        tmp_path,
+        "async",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        "20",
+        "--schedule",
+        "async",
+        "--max-staleness",
+        "1",
+        "--sync-steps",
+        "0",
+        "--warmup-steps",
+        "0",
+    )
+    try:
+        assert proc.wait(300) == 0, proc.output
+    finally:
+        proc.stop()
+    metrics = read_metrics(tmp_path / "async")
+    summary = next(m for m in metrics if m["kind"] == "summary")
+    first = next(st for st in summary["stages"] if st["stage"] == 0)
+    assert first["dropped"] == 0 and sum(first["staleness_counts"]) == steps * k, first
+    assert len(first["staleness_counts"]) == 2 and first["staleness_counts"][1] > 0  # it did run async, S = 1
+    assert all(st["weight_version"] == steps for st in summary["stages"]), summary["stages"]
+    assert [m["step"] for m in metrics if m["kind"] == "step"] == list(range(steps))  # each step reported once
