@@ -181,7 +181,8 @@ class Planning:
         try:
             placed = place(peers, spec, stages=self.s.stages, replicate=self.s.replicate)
         except NoFit as e:
-            raise NoPlanFits(no_fit_message(spec, peers, e, overhead=overhead)) from None
+            offered = {r.peer_id: float(r.free_memory_bytes) for r in records}
+            raise NoPlanFits(no_fit_message(spec, peers, e, overhead=overhead, offered=offered)) from None
         except Unarrangeable as e:
             raise RunFailed(f"blocked on reachability: {e}") from None
         except PlacementError as e:
@@ -208,14 +209,16 @@ class Planning:
         )
 
 
-def no_fit_message(spec: ModelSpec, peers: list[PeerSpec], error: NoFit, *, overhead: float = 0.0) -> str:
-    """One line naming the limit: the memory the model needs against what each peer offers.
+def no_fit_message(
+    spec: ModelSpec, peers: list[PeerSpec], error: NoFit, *, overhead: float, offered: dict[str, float]
+) -> str:
+    """One line naming the limit: the memory the model needs against what each peer ``offered``.
 
-    ``peers`` carry their memory less ``overhead`` (what any block holds whatever its size), so it is added
-    back: a user compares the line with the ``--memory`` they gave.
+    ``peers`` carry their memory less ``overhead`` (what any block holds whatever its size), floored at 0, so
+    the line names the offer itself: a user compares it with the ``--memory`` they gave.
     """
     need, per_layer = sum(spec.layer_memory), max(spec.layer_memory)
-    offers = ", ".join(f"{p.peer_id} {format_size(p.free_memory + overhead)}" for p in peers)
+    offers = ", ".join(f"{p.peer_id} {format_size(offered[p.peer_id])}" for p in peers)
     detail = f" ({error})" if str(error).startswith("spare") else ""
     fixed = f" plus {format_size(overhead)} per block" if overhead else ""
     return (
