@@ -67,3 +67,21 @@ def test_a_hf_checkpoint_is_planned_from_its_config_by_the_memory_model() -> Non
     overhead = block_overhead(model, TRAIN, hf)
     assert overhead == mm.stage_overhead_bytes(arch, settings) > 0 == block_overhead(model, TRAIN, None)
     assert peer_specs([record("a", 1.0)], overhead=overhead)[0].free_memory == 8e9 - overhead
+
+
+def test_a_no_fit_line_names_what_each_peer_offered_even_below_a_blocks_overhead() -> None:
+    """Peers' memory reaches placement less the per-block overhead, floored at 0; the line a user reads must name
+    the offer itself (a 1 MiB peer was shown as the 2 MiB overhead of an async LoRA block)."""
+    from coordinator.cost_model import ModelSpec
+    from coordinator.placement import NoFit
+    from coordinator.planning import no_fit_message
+
+    overhead, mib = 2 * 2**20, 2**20
+    records = [record("small", 1.0).model_copy(update={"free_memory_bytes": mib})]
+    peers = peer_specs(records, overhead=overhead)
+    assert peers[0].free_memory == 0.0
+    spec = ModelSpec(
+        layer_cost=(1.0,) * 4, layer_memory=(19 * mib,) * 4, forward_bytes=(0.0,) * 3, backward_bytes=(0.0,) * 3
+    )
+    line = no_fit_message(spec, peers, NoFit("no split fits"), overhead=overhead, offered={"small": float(mib)})
+    assert "the peers offer small 1 MiB;" in line and "plus 2 MiB per block" in line, line
