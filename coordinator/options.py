@@ -59,8 +59,8 @@ class RunOptions:
     error_feedback_backward: str  # on, off, auto (on for the links whose gradient codec is in FEEDBACK_AUTO_CODECS)
     wire_zstd: bool
     wire_rank: int
-    schedule: str | None  # None: schedule_and_bound()'s default for the model's origin
-    max_staleness: int  # S when the schedule is async
+    schedule: str
+    max_staleness: int
     max_in_flight: int
     grad_clip: float
     checkpoint_every: int
@@ -142,16 +142,8 @@ class RunOptions:
         fwd, bwd = default_wire(self.model_config().d_model, self.wire_zstd, from_scratch=not self.is_checkpoint)
         return self.wire_forward or fwd, self.wire_backward or bwd
 
-    def schedule_and_bound(self) -> tuple[str, int]:
-        """The run's schedule and staleness bound: those given, else async for LoRA fine-tuning of a checkpoint and
-        sync from scratch. In fine-tuning async S = 1 cost +1.55% over 600 steps at 1.15-1.39x sync's speed; from
-        scratch it still costs over 2% (docs/BENCHMARKS.md, "Async in LoRA fine-tuning of a checkpoint")."""
-        schedule = self.schedule or ("async" if self.is_checkpoint else "sync")
-        return schedule, self.max_staleness if schedule == "async" else 0
-
     def train_config(self) -> TrainConfig:
         wire_forward, wire_backward = self.wire()
-        schedule, max_staleness = self.schedule_and_bound()
         for codec in {wire_forward, wire_backward} & NEEDS_ZSTD:
             if not self.wire_zstd:
                 plain = PLAIN_SIZE_OF[codec]
@@ -180,8 +172,8 @@ class RunOptions:
             error_feedback_backward=self.error_feedback_backward,
             wire_zstd=self.wire_zstd,
             wire_rank=self.wire_rank,
-            schedule=schedule,
-            max_staleness=max_staleness,
+            schedule=self.schedule,
+            max_staleness=self.max_staleness,
             max_in_flight=self.max_in_flight,
             grad_clip=self.grad_clip,
             checkpoint_every=self.checkpoint_every,
@@ -302,14 +294,12 @@ def _train_params(
     schedule: Annotated[
         str,
         typer.Option(
-            help="'sync' (GPipe: the exact reference) or 'async' (bounded staleness: fills the pipeline's bubbles "
-            "at a loss cost). Default: async for LoRA fine-tuning of a checkpoint (+1.55% loss over 600 steps, "
-            "1.15-1.39x sync's speed), sync from scratch (there async costs +2.1-2.9% over 600 steps of "
-            "gpt-medium); docs/BENCHMARKS.md.",
-            callback=lambda v: check_choice(v, SCHEDULES, "schedule") if v else v,
-            show_default=False,
+            help="'sync' (GPipe: the exact reference) or 'async' (bounded staleness: fills the pipeline's bubbles, "
+            "but its loss cost grows with training: +4.1% against sync after 600 steps of gpt-medium, +2.9% with "
+            "--lr-decay cosine; docs/BENCHMARKS.md).",
+            callback=lambda v: check_choice(v, SCHEDULES, "schedule"),
         ),
-    ] = "",
+    ] = "sync",
     max_staleness: Annotated[
         int, typer.Option(min=0, help="Async: apply no gradient more than S weight versions late; 0 is exactly sync.")
     ] = 1,
@@ -440,8 +430,8 @@ def _train_params(
         error_feedback_backward,
         wire_zstd == "on",
         wire_rank,
-        schedule or None,
-        max_staleness,
+        schedule,
+        max_staleness if schedule == "async" else 0,
         max_in_flight,
         grad_clip,
         checkpoint_every,
