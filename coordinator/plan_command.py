@@ -23,12 +23,13 @@ from rich.table import Table
 
 from coordinator import memory_model as mm
 from coordinator.cost_model import CostModel, PeerSpec
+from coordinator.option_checks import check_choice
 from coordinator.placement import NoFit, PlacementError, place
 from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
 from coordinator.wire_choice import choose_links
 from coordinator.wire_defaults import default_help, default_wire
-from swarm.config import BASE_QUANTS, WIRE_AUTO, TrainConfig, backward_ladder, forward_ladder
+from swarm.config import BASE_QUANTS, SCHEDULES, WIRE_AUTO, TrainConfig, backward_ladder, forward_ladder
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches
 # reaches roughly 30-50 % of a 3090's peak, so 30 TFLOP/s is a modest, stated guess. Pass NNtflops to override.
@@ -299,7 +300,18 @@ def plan(
     lora_rank: Annotated[int, typer.Option(min=1, help="LoRA rank.")] = 16,
     micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch.")] = 4,
     context: Annotated[int, typer.Option(min=0, help="Tokens per sequence (0: min(512, the model's positions)).")] = 0,
-    in_flight: Annotated[int, typer.Option(min=0, help="Micro-batches in flight (0: the runtime default).")] = 0,
+    in_flight: Annotated[
+        int, typer.Option(min=0, help="Micro-batches in flight (0: the runtime's for --schedule and --micro-batches).")
+    ] = 0,
+    schedule: Annotated[
+        str,
+        typer.Option(
+            help="The run's schedule, as in ravn local: async keeps (S + 1) x K micro-batches in flight, sync K.",
+            callback=lambda v: check_choice(v, SCHEDULES, "schedule"),
+        ),
+    ] = "sync",
+    max_staleness: Annotated[int, typer.Option(min=0, help="Async: the staleness bound S, as in ravn local.")] = 1,
+    micro_batches: Annotated[int, typer.Option(min=1, help="Micro-batches per step (K), as in ravn local.")] = 4,
     wire_forward: Annotated[
         str | None,
         typer.Option(
@@ -334,7 +346,11 @@ def plan(
         ctx = context or min(512, arch.max_positions or 512)
         if arch.max_positions and ctx > arch.max_positions:
             raise SpecError(f"--context {ctx} exceeds the model's {arch.max_positions} positions")
-        flight = in_flight or TrainConfig(micro_batch_size=micro_batch_size).in_flight_limit
+        bound = max_staleness if schedule == "async" else 0
+        run = TrainConfig(
+            micro_batches=micro_batches, micro_batch_size=micro_batch_size, schedule=schedule, max_staleness=bound
+        )
+        flight = in_flight or run.in_flight_limit
         settings = mm.Settings(
             dtype=dtype,
             quant=quant,

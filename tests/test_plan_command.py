@@ -87,6 +87,26 @@ def test_ravn_plan_prints_a_table_and_json(tmp_path: Path) -> None:
         assert text in table.stdout
 
 
+def test_the_plan_keeps_the_micro_batches_in_flight_that_the_schedule_does(tmp_path: Path) -> None:
+    """Async keeps (S + 1) x K micro-batches in flight, twice sync's activations at S = 1: a plan for it must say so."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    peers = ["--peer", "4GiB,100mbit", "--peer", "4GiB,100mbit"]
+
+    def planned(*flags: str) -> dict:
+        proc = ravn_plan("--model", str(tmp_path), *peers, "--json", *flags)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    sync, fine = planned(), planned("--schedule", "async")
+    assert (sync["settings"]["in_flight"], fine["settings"]["in_flight"]) == (4, 8)
+    assert planned("--schedule", "async", "--max-staleness", "2", "--micro-batches", "3")["settings"]["in_flight"] == 9
+    assert planned("--schedule", "async", "--in-flight", "5")["settings"]["in_flight"] == 5
+    activations = [sum(s["activation_bytes"] for s in r["stages"]) for r in (sync, fine)]
+    assert activations[1] > 1.3 * activations[0], activations  # all but the last stage keep twice as many
+    bad = ravn_plan("--model", str(tmp_path), *peers, "--schedule", "gpipe")
+    assert bad.returncode == 2 and "unknown schedule 'gpipe'" in bad.stderr, bad.stderr
+
+
 def test_no_fit_is_one_line_with_the_memory_needed_and_exit_code_1() -> None:
     proc = ravn_plan("--model", str(LLAMA_70B), "--peer", "24GiB,100mbit", "--peer", "24GiB,100mbit")
     assert proc.returncode == 1
