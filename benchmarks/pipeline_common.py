@@ -76,6 +76,8 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
     "sync int4_rot/ecsq zstd": RAVN_SYNC + RAVN_INT4_ECSQ,
     "async int4_rot/ecsq zstd": RAVN_ASYNC + RAVN_INT4_ECSQ,
+    # async at sync's activation memory: in flight capped at the loss runs' K = 4 instead of (S + 1) x K
+    "async int4_rot/ecsq zstd in-flight 4": RAVN_ASYNC + ("--max-in-flight", "4") + RAVN_INT4_ECSQ,
 }
 
 
