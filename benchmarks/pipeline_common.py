@@ -71,6 +71,7 @@ RAVN_MODES: dict[str, tuple[str, ...]] = {
     "sync lowrank/ecsq zstd": RAVN_SYNC + RAVN_LOWRANK_ECSQ,
     "async int3_rot/int3_rot zstd": RAVN_ASYNC + RAVN_INT3_ZSTD,
     "async lowrank/ecsq zstd": RAVN_ASYNC + RAVN_LOWRANK_ECSQ,
+    "async lowrank/ecsq zstd in-flight 4": RAVN_ASYNC + ("--max-in-flight", "4") + RAVN_LOWRANK_ECSQ,
     # before the measured window: all that S = 1 allows in flight, (S + 1) x the workload's 8 micro-batches
     "async int3_rot/int3_rot zstd in-flight 16": RAVN_ASYNC + ("--max-in-flight", "16") + RAVN_INT3_ZSTD,
     "async int8/int8": RAVN_ASYNC + RAVN_INT8,
