@@ -30,6 +30,9 @@ from swarm.config import (
     BASE_QUANTS,
     DEFAULT_GRAD_CLIP,
     DEFAULT_LR,
+    DEFAULT_MAX_STALENESS,
+    DEFAULT_MICRO_BATCHES,
+    DEFAULT_SCHEDULE,
     MODEL_PRESETS,
     SCHEDULES,
     HFConfig,
@@ -214,7 +217,9 @@ def _train_params(
         ),
     ] = "gpt-small",
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps to train.")] = 300,
-    micro_batches: Annotated[int, typer.Option(min=1, help="Micro-batches per optimizer step.")] = 4,
+    micro_batches: Annotated[
+        int, typer.Option(min=1, help="Micro-batches per optimizer step.")
+    ] = DEFAULT_MICRO_BATCHES,
     micro_batch_size: Annotated[int, typer.Option(min=1, help="Sequences per micro-batch.")] = 4,
     lr: Annotated[
         float,
@@ -299,10 +304,10 @@ def _train_params(
             "--lr-decay cosine; docs/BENCHMARKS.md).",
             callback=lambda v: check_choice(v, SCHEDULES, "schedule"),
         ),
-    ] = "sync",
+    ] = DEFAULT_SCHEDULE,
     max_staleness: Annotated[
         int, typer.Option(min=0, help="Async: apply no gradient more than S weight versions late; 0 is exactly sync.")
-    ] = 1,
+    ] = DEFAULT_MAX_STALENESS,
     sync_steps: Annotated[
         int,
         typer.Option(

@@ -29,7 +29,17 @@ from coordinator.plan_inputs import CODEC_BYTES, hf_model_spec, wire_bytes
 from coordinator.reachability import Unarrangeable
 from coordinator.wire_choice import choose_links
 from coordinator.wire_defaults import default_help, default_wire
-from swarm.config import BASE_QUANTS, SCHEDULES, WIRE_AUTO, TrainConfig, backward_ladder, forward_ladder
+from swarm.config import (
+    BASE_QUANTS,
+    DEFAULT_MAX_STALENESS,
+    DEFAULT_MICRO_BATCHES,
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    WIRE_AUTO,
+    TrainConfig,
+    backward_ladder,
+    forward_ladder,
+)
 
 # An RTX 3090 peaks at 71 dense bf16 TFLOP/s and a 4090 at 165; LoRA training with small micro-batches
 # reaches roughly 30-50 % of a 3090's peak, so 30 TFLOP/s is a modest, stated guess. Pass NNtflops to override.
@@ -309,9 +319,13 @@ def plan(
             help="The run's schedule, as in ravn local: async keeps (S + 1) x K micro-batches in flight, sync K.",
             callback=lambda v: check_choice(v, SCHEDULES, "schedule"),
         ),
-    ] = "sync",
-    max_staleness: Annotated[int, typer.Option(min=0, help="Async: the staleness bound S, as in ravn local.")] = 1,
-    micro_batches: Annotated[int, typer.Option(min=1, help="Micro-batches per step (K), as in ravn local.")] = 4,
+    ] = DEFAULT_SCHEDULE,
+    max_staleness: Annotated[
+        int, typer.Option(min=0, help="Async: the staleness bound S, as in ravn local.")
+    ] = DEFAULT_MAX_STALENESS,
+    micro_batches: Annotated[
+        int, typer.Option(min=1, help="Micro-batches per step (K), as in ravn local.")
+    ] = DEFAULT_MICRO_BATCHES,
     wire_forward: Annotated[
         str | None,
         typer.Option(

@@ -50,6 +50,11 @@ CODED_RUNG = "int3_rot"  # the rung below int4_rot where zstd codes the codes
 # 4% below (docs/BENCHMARKS.md, "The default recipe").
 DEFAULT_LR = 1.5e-3
 DEFAULT_GRAD_CLIP = 1.0
+# The schedule of a run that names none, and async's bound and the micro-batches per step when it names none:
+# ravn local, serve and ravn plan read these, so a plan sizes the run that the same flags start.
+DEFAULT_SCHEDULE = "sync"  # async still misses #20's targets (docs/BENCHMARKS.md, "Asynchrony that costs no loss")
+DEFAULT_MAX_STALENESS = 1
+DEFAULT_MICRO_BATCHES = 4
 LR_DECAY_FLOOR = 0.1  # --lr-decay cosine ends at a tenth of the peak, as GPT-3's and Chinchilla's recipes do
 WIDE_FROM = 256  # d_model from which 4-bit activations stay within 2% of fp32 (docs/codecs.md)
 
@@ -136,7 +141,7 @@ class TrainConfig:
     """The training recipe; every stage applies the same one to its own parameters."""
 
     steps: int = 300
-    micro_batches: int = 4
+    micro_batches: int = DEFAULT_MICRO_BATCHES
     micro_batch_size: int = 4
     lr: float = DEFAULT_LR
     weight_decay: float = 0.01
@@ -148,7 +153,7 @@ class TrainConfig:
     data_seed: int = 0
     eval_every: int = 50
     eval_batches: int = 8
-    schedule: str = "sync"
+    schedule: str = DEFAULT_SCHEDULE
     max_staleness: int = 0
     max_in_flight: int = 0
     checkpoint_every: int = 0

@@ -11,6 +11,7 @@ import pytest
 from coordinator import memory_model as mm
 from coordinator.plan_command import DEFAULT_TFLOPS, SpecError, parse_peer, plan_report
 from tests.conftest import ROOT, ravn_cmd
+from tests.recipe_cli import recipe
 
 LLAMA_70B = ROOT / "docs" / "configs" / "llama-3-70b.json"
 TINY = {
@@ -99,6 +100,8 @@ def test_the_plan_keeps_the_micro_batches_in_flight_that_the_schedule_does(tmp_p
 
     sync, fine = planned(), planned("--schedule", "async")
     assert (sync["settings"]["in_flight"], fine["settings"]["in_flight"]) == (4, 8)
+    # one set of defaults (swarm/config.py): the same flags plan what ravn local runs
+    assert (4, 8) == (recipe().in_flight_limit, recipe("--schedule", "async").in_flight_limit)
     assert planned("--schedule", "async", "--max-staleness", "2", "--micro-batches", "3")["settings"]["in_flight"] == 9
     assert planned("--schedule", "async", "--in-flight", "5")["settings"]["in_flight"] == 5
     activations = [sum(s["activation_bytes"] for s in r["stages"]) for r in (sync, fine)]
