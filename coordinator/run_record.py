@@ -206,6 +206,7 @@ class RunRecord:
             "compute_seconds": st.compute_seconds - base.compute_seconds,
             "bytes_sent": st.bytes_sent,
             "kept_weights_bytes_peak": st.kept_weights_bytes_peak,
+            "held_gradient_bytes_peak": st.held_gradient_bytes_peak,
             "in_flight_peak": st.in_flight_peak,
             "average_rounds": st.average_rounds,
             "average_bytes": st.average_bytes,

@@ -22,7 +22,7 @@ renamed); :meth:`SwarmStatus.to_dict` is the same without ``verdict`` and the de
      "peers": [{"name", "device", "block": [a, b], "state", "tokens_per_s", "up_mbit_s", "down_mbit_s",
                 "staleness_counts": [int], "staleness_p50", "staleness_p99", "heartbeat_age_s",
                 "dropped", "refused", "dropped_recent", "refused_recent", "bubble_fraction",
-                "kept_weights_bytes_peak"}],
+                "kept_weights_bytes_peak", "held_gradient_bytes_peak"}],
      "blocks": [{"layers": [a, b], "replicas": int, "covered": bool, "bottleneck": bool}],
      "excluded": [{"name": str, "reason": str}],
      "links": [{"boundary": int, "upstream": str, "downstream": str, "forward": str, "backward": str,
@@ -91,6 +91,7 @@ class PeerStatus:
     refused_recent: int = 0
     bubble_fraction: float | None = None
     kept_weights_bytes_peak: int = 0  # trainable weights kept for stale backwards (async), at their peak
+    held_gradient_bytes_peak: int = 0  # gradients held till their own step's update (async), at their peak
 
     @property
     def staleness_p50(self) -> int | None:
@@ -210,6 +211,7 @@ class SwarmStatus:
                     refused_recent=p.count("refused_recent", default=0),
                     bubble_fraction=p.num("bubble_fraction"),
                     kept_weights_bytes_peak=p.count("kept_weights_bytes_peak", default=0),
+                    held_gradient_bytes_peak=p.count("held_gradient_bytes_peak", default=0),
                 )
                 for p in r.subs("peers", MAX_PEERS)
             ),
@@ -378,6 +380,7 @@ def peer_status_from_stats(
         refused_recent=rates.refused,
         bubble_fraction=rates.bubble_fraction,
         kept_weights_bytes_peak=now.kept_weights_bytes_peak,
+        held_gradient_bytes_peak=now.held_gradient_bytes_peak,
     )
 
 

@@ -80,7 +80,7 @@ def peers_table(status: SwarmStatus, v: Verdict) -> Table:
             f"{_fmt(p.up_mbit_s, '.1f')}/{_fmt(p.down_mbit_s, '.1f')}",
             staleness_histogram(p.staleness_counts),
             _fmt(p.bubble_fraction, ".0%"),
-            _bytes(p.kept_weights_bytes_peak),
+            _bytes(p.kept_weights_bytes_peak + p.held_gradient_bytes_peak),  # what async holds; --json splits it
             f"{p.heartbeat_age_s:.0f} s ago",
             style=style,
         )

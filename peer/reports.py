@@ -46,6 +46,7 @@ def stage_stats(stage: Stage | None, compute: ComputeWorker) -> cpb.StageStats:
         idle_seconds=idle.idle_seconds,
         wall_seconds=idle.wall_seconds,
         kept_weights_bytes_peak=m.kept_weights_bytes_peak,
+        held_gradient_bytes_peak=m.held_gradient_bytes_peak,
         in_flight_peak=m.in_flight_peak,
         average_rounds=group.rounds_applied if group else 0,
         average_bytes=group.bytes if group else 0,

@@ -23,7 +23,7 @@ peer: ``ravn_peer_stage``, ``ravn_peer_layer_start``, ``ravn_peer_layer_end``,
 ``ravn_peer_download_mbit_per_second``, ``ravn_peer_bubble_fraction``, ``ravn_peer_gradient_staleness``
 (histogram, buckets in weight versions), ``ravn_peer_dropped_gradients_total``,
 ``ravn_peer_refused_packets_total``, ``ravn_peer_weight_version``, ``ravn_peer_in_flight_peak``,
-``ravn_peer_kept_weights_peak_bytes``.
+``ravn_peer_kept_weights_peak_bytes``, ``ravn_peer_held_gradients_peak_bytes``.
 
 coordinator: ``ravn_run_info`` (labels swarm, run), ``ravn_run_step``, ``ravn_run_total_steps``,
 ``ravn_run_train_loss``, ``ravn_run_val_loss``, ``ravn_run_tokens_total``, ``ravn_run_tokens_per_second``,
@@ -215,6 +215,11 @@ class PeerMetrics(Collector):
             "ravn_peer_kept_weights_peak_bytes",
             "Peak memory of trainable weights kept for stale backwards.",
             s.kept_weights_bytes_peak,
+        )
+        yield gauge(
+            "ravn_peer_held_gradients_peak_bytes",
+            "Peak memory of gradients held till their own step's update (they overtook an earlier step's).",
+            s.held_gradient_bytes_peak,
         )
 
 

@@ -63,6 +63,7 @@ def test_peer_metrics_over_http(server: MetricsServer) -> None:
             staleness_counts=[5, 3, 2],
             in_flight_peak=9,
             kept_weights_bytes_peak=4096,
+            held_gradient_bytes_peak=1024,
         )
     )
     port = server.start(0)
@@ -85,6 +86,7 @@ def test_peer_metrics_over_http(server: MetricsServer) -> None:
     assert m[("ravn_peer_weight_version", p)] == 7
     assert m[("ravn_peer_in_flight_peak", p)] == 9
     assert m[("ravn_peer_kept_weights_peak_bytes", p)] == 4096
+    assert m[("ravn_peer_held_gradients_peak_bytes", p)] == 1024
     buckets = {
         le: m[("ravn_peer_gradient_staleness_bucket", (("le", le), ("peer", "p1")))] for le in ("0", "1", "2", "+Inf")
     }

@@ -55,10 +55,14 @@ def test_an_overtaking_gradient_does_not_step_the_stage_early() -> None:
     r = first_stage(s=1)
     for mb in range(4):
         r.forward(mb, xs[mb], step=mb // K)
-    assert not r.backward(0, gs[0]).stepped
+    assert not r.backward(0, gs[0]).stepped and r.metrics.held_gradient_bytes_peak == 0
     assert not r.backward(2, gs[2]).stepped and r.version == 0  # step 1's: held, step 0 is not complete
+    trainable = sum(p.numel() * p.element_size() for p in r.trainable if p.grad is not None)
+    assert r.metrics.held_gradient_bytes_peak == trainable  # one set of gradients held, counted for the summary
     assert r.backward(1, gs[1]).stepped and r.version == 1
+    assert r.held.held_bytes() == 0  # handed to step 1's update
     assert r.backward(3, gs[3]).stepped and r.version == 2
+    assert r.metrics.held_gradient_bytes_peak == trainable
 
 
 def test_a_dropped_micro_batch_that_overtakes_counts_for_its_own_step() -> None:

@@ -145,3 +145,5 @@ def test_async_with_replicas_applies_every_micro_batch_once_per_its_own_step(tmp
     assert len(first["staleness_counts"]) == 2 and first["staleness_counts"][1] > 0  # it did run async, S = 1
     assert all(st["weight_version"] == steps for st in summary["stages"]), summary["stages"]
     assert [m["step"] for m in metrics if m["kind"] == "step"] == list(range(steps))  # each step reported once
+    # gradients held for their own step are in the summary: at most S = 1 set, less than the weights kept
+    assert all(0 <= st["held_gradient_bytes_peak"] <= st["kept_weights_bytes_peak"] for st in summary["stages"])

@@ -160,6 +160,7 @@ def test_peer_status_from_two_reports() -> None:
         dropped=3,
         refused=0,
         kept_weights_bytes_peak=4096,
+        held_gradient_bytes_peak=2048,
         staleness_counts=[8, 2],
         wall_seconds=20,
         idle_seconds=6,
@@ -178,7 +179,7 @@ def test_peer_status_from_two_reports() -> None:
     assert (p.tokens_per_s, p.up_mbit_s, p.down_mbit_s) == (256.0, 4.0, 2.0)
     assert (p.dropped, p.dropped_recent, p.refused_recent, p.bubble_fraction) == (3, 2, 0, 0.1)
     assert (p.staleness_p50, p.staleness_p99) == (0, 1)
-    assert p.kept_weights_bytes_peak == 4096
+    assert (p.kept_weights_bytes_peak, p.held_gradient_bytes_peak) == (4096, 2048)
 
 
 def test_json_shape_is_stable_and_round_trips() -> None:
@@ -228,6 +229,7 @@ def test_json_shape_is_stable_and_round_trips() -> None:
         "refused_recent",
         "bubble_fraction",
         "kept_weights_bytes_peak",
+        "held_gradient_bytes_peak",
     }
     assert d["blocks"][1] == {"layers": [2, 4], "replicas": 1, "covered": True, "bottleneck": True}
     assert SwarmStatus.from_dict(d) == s  # the --json document parses back too (derived keys ignored)
@@ -269,7 +271,7 @@ def test_from_dict_ignores_unknown_keys() -> None:
 
 def test_render_shows_the_key_facts() -> None:
     s = with_peer(healthy(), "p1", heartbeat_age_s=20.0)
-    s = with_peer(s, "p0", kept_weights_bytes_peak=3 * 2**20)
+    s = with_peer(s, "p0", kept_weights_bytes_peak=3 * 2**20, held_gradient_bytes_peak=2**20)
     s = replace(s, blocks=tuple(replace(b, replicas=0) if b.layers == (4, 6) else b for b in s.blocks))
     console = Console(record=True, width=120, color_system=None)
     v = render(s, console)
@@ -282,7 +284,7 @@ def test_render_shows_the_key_facts() -> None:
     for fact in ("p0", "p1", "p2", "cuda:0 RTX 3060", "[2,4)", "42.0", "40.5", "20 s ago", "online"):
         assert fact in text
     p0 = next(line for line in lines if "│ p0 " in line)
-    assert "90/10%" in p0 and "40%" in p0 and "3.0 MiB" in p0  # staleness histogram, bubble, kept weights
+    assert "90/10%" in p0 and "40%" in p0 and "4.0 MiB" in p0  # staleness, bubble, kept + held
     block_rows = {
         line.split("│")[1].strip(): line
         for line in lines

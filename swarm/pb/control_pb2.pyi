@@ -204,7 +204,7 @@ class Command(_message.Message):
     def __init__(self, assign: _Optional[_Union[Assignment, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., collect_state: _Optional[_Union[CollectState, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., stop_training: _Optional[_Union[StopTraining, _Mapping]] = ..., update: _Optional[_Union[Assignment, _Mapping]] = ...) -> None: ...
 
 class StageStats(_message.Message):
-    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "kept_weights_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches", "rejected", "rejected_by_sender", "memory", "sent_codecs", "delta_rows", "delta_rows_spilled")
+    __slots__ = ("forward_micro_batches", "backward_micro_batches", "bytes_sent", "bytes_received", "compute_seconds", "weight_version", "refused", "dropped", "staleness_counts", "idle_seconds", "wall_seconds", "kept_weights_bytes_peak", "in_flight_peak", "average_rounds", "average_bytes", "anchor_digest", "lost_micro_batches", "rejected", "rejected_by_sender", "memory", "sent_codecs", "delta_rows", "delta_rows_spilled", "held_gradient_bytes_peak")
     class RejectedBySenderEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class StageStats(_message.Message):
     SENT_CODECS_FIELD_NUMBER: _ClassVar[int]
     DELTA_ROWS_FIELD_NUMBER: _ClassVar[int]
     DELTA_ROWS_SPILLED_FIELD_NUMBER: _ClassVar[int]
+    HELD_GRADIENT_BYTES_PEAK_FIELD_NUMBER: _ClassVar[int]
     forward_micro_batches: int
     backward_micro_batches: int
     bytes_sent: int
@@ -265,7 +266,8 @@ class StageStats(_message.Message):
     sent_codecs: _containers.ScalarMap[str, int]
     delta_rows: int
     delta_rows_spilled: int
-    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., kept_weights_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., sent_codecs: _Optional[_Mapping[str, int]] = ..., delta_rows: _Optional[int] = ..., delta_rows_spilled: _Optional[int] = ...) -> None: ...
+    held_gradient_bytes_peak: int
+    def __init__(self, forward_micro_batches: _Optional[int] = ..., backward_micro_batches: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., weight_version: _Optional[int] = ..., refused: _Optional[int] = ..., dropped: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., idle_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., kept_weights_bytes_peak: _Optional[int] = ..., in_flight_peak: _Optional[int] = ..., average_rounds: _Optional[int] = ..., average_bytes: _Optional[int] = ..., anchor_digest: _Optional[str] = ..., lost_micro_batches: _Optional[int] = ..., rejected: _Optional[int] = ..., rejected_by_sender: _Optional[_Mapping[str, int]] = ..., memory: _Optional[_Union[StageMemory, _Mapping]] = ..., sent_codecs: _Optional[_Mapping[str, int]] = ..., delta_rows: _Optional[int] = ..., delta_rows_spilled: _Optional[int] = ..., held_gradient_bytes_peak: _Optional[int] = ...) -> None: ...
 
 class StageMemory(_message.Message):
     __slots__ = ("rss_before", "anon_before", "load_peak", "resident_after_build", "anon_after_build", "train_peak", "cuda_before", "cuda_load_peak", "cuda_train_peak", "block_bytes", "largest_tensor_bytes", "hwm_reset", "allocator")

@@ -64,6 +64,7 @@ class StageMetrics:
     compute_seconds: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)
     kept_weights_bytes_peak: int = 0  # weights kept for stale backwards, at their peak
+    held_gradient_bytes_peak: int = 0  # gradients of later steps held till their own step's update, at their peak
     in_flight_peak: int = 0
     skipped_steps: int = 0
 
@@ -312,6 +313,7 @@ class StageRunner:
         self.metrics.staleness[staleness] = self.metrics.staleness.get(staleness, 0) + 1
         if held_for is not None:
             self.held.count(held_for, staleness)
+            self.metrics.held_gradient_bytes_peak = self.held.peak_bytes
             return False
         self._late += staleness
         self._applied += 1

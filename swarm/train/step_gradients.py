@@ -33,6 +33,7 @@ class StepGradients:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self._params = params
         self._held: dict[int, HeldStep] = {}
+        self.peak_bytes = 0  # the most bytes held at once: async's memory besides kept weights, in the summary
 
     def oldest(self) -> int | None:
         return min(self._held, default=None)
@@ -65,6 +66,11 @@ class StepGradients:
             held.grads = [p.grad for p in self._params]
             for p, g in zip(self._params, live, strict=True):
                 p.grad = g
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+
+    def held_bytes(self) -> int:
+        """Bytes of the gradient buffers held now."""
+        return sum(g.numel() * g.element_size() for h in self._held.values() for g in h.grads if g is not None)
 
     def install(self, step: int) -> HeldStep:
         """Hand ``step``'s gradients to the live ``.grad`` fields (added where some are already there)."""
