@@ -12,6 +12,7 @@ loss against wall-clock time, one panel per cap.
     python -m benchmarks.pipeline --caps 10mbit --modes "sync fp32" "async int4_rot/int8" --steps 8
     python -m benchmarks.pipeline --model CKPT --data DOCS --dtype fp32 --micro-batches 4 \
         --modes "sync int4_rot/ecsq zstd" "async int4_rot/ecsq zstd"    # LoRA fine-tuning of a checkpoint
+    python -m benchmarks.pipeline --cpu-per-peer 0.6 ...   # each peer on 0.6 cores of its own, as separate machines
 
 Needs root (network namespaces); see docs/lab.md and docs/BENCHMARKS.md.
 """
@@ -26,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.lab import Lab, unavailable_reason
+from benchmarks.lab.cpu import unavailable_reason as cpu_unavailable_reason
 from benchmarks.pipeline_common import (
     CAPS,
     RAVN_MODES,
@@ -45,13 +47,15 @@ TARGET_LOSS_GAP = 0.02
 TARGET_ASYNC_SPEEDUP = {"10mbit": 1.15, "50mbit": 1.15}
 
 
-def run_all(caps: list[str], modes: list[str], workload: Workload, runs_dir: Path) -> list[RunRecord]:
+def run_all(
+    caps: list[str], modes: list[str], workload: Workload, runs_dir: Path, cpu_per_peer: float | None = None
+) -> list[RunRecord]:
     """Every (cap, mode) in a fresh lab, so one run's sockets and DHT state cannot touch the next."""
     records = []
     for cap in caps:
         for mode in modes:
             print(f"[{cap}] {mode}: {workload.steps} steps ...", flush=True)
-            with Lab(cap_links(cap), coordinator=True) as lab:
+            with Lab(cap_links(cap), coordinator=True, cpu_per_peer=cpu_per_peer) as lab:
                 r = run_ravn(lab, cap, mode, workload, runs_dir)
             print(
                 f"[{cap}] {mode}: {r.tokens_per_s:,.0f} tok/s, val loss {r.final_val_loss:.4f}, "
@@ -66,12 +70,20 @@ def _bubbles(r: RunRecord) -> str:
     return " / ".join(f"{s['bubble_fraction']:.2f}" if s.get("bubble_fraction") is not None else "-" for s in r.stages)
 
 
+def _throttled(r: RunRecord) -> str:
+    return " / ".join(f"{v:.0%}" for _, v in sorted(r.cpu_throttled.items())) or "-"
+
+
 def table(records: list[RunRecord]) -> str:
-    """Markdown table; speed-up and loss gap are against sync fp32 at the same cap."""
+    """Markdown table; speed-up and loss gap are against sync fp32 at the same cap.
+
+    With CPU shares, a last column says how often each peer's cap held it back (periods throttled).
+    """
+    capped = any(r.cpu_throttled for r in records)
     lines = [
         "| cap | mode | tokens/s | vs sync fp32 | val loss | Δ loss vs sync fp32 | wire B/token | payload B/token "
-        "| bubble per stage | stale grads p0 | blocks |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| bubble per stage | stale grads p0 | blocks |" + (" CPU throttled per peer |" if capped else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|" + ("---|" if capped else ""),
     ]
     for r in records:
         base = next((b for b in records if b.cap == r.cap and b.mode == BASE), None)
@@ -82,7 +94,7 @@ def table(records: list[RunRecord]) -> str:
         lines.append(
             f"| {r.cap} | {r.mode} | {r.tokens_per_s:,.0f} | {speed} | {r.final_val_loss:.4f} | {gap} "
             f"| {r.wire_bytes_per_token:,.0f} | {r.payload_bytes_per_token or 0:,.0f} | {_bubbles(r)} | {stale} "
-            f"| {plan_text(r)} |"
+            f"| {plan_text(r)} |" + (f" {_throttled(r)} |" if capped else "")
         )
     return "\n".join(lines)
 
@@ -137,6 +149,7 @@ def write_report(records: list[RunRecord], meta: dict, out: Path, name: str) -> 
     lines = [
         f"workload: {meta['workload']}",
         f"load average at start {meta['load_start']}, at end {meta['load_end']}",
+        *([f"each peer on {meta['cpu_per_peer']:g} cores of its own"] if meta.get("cpu_per_peer") else []),
         "",
         table(records),
         "",
@@ -175,6 +188,13 @@ def main() -> None:
     ap.add_argument(
         "--timed-from", type=int, default=0, help="time only the steps from this one on (e.g. 20: after the warm-up)"
     )
+    ap.add_argument(
+        "--cpu-per-peer",
+        type=float,
+        default=None,
+        metavar="CORES",
+        help="each peer on a CPU share of its own (cgroups), as separate machines: e.g. 0.6 for 3 peers on 2 cores",
+    )
     ap.add_argument("--quick", action="store_true", help="short runs at lan and 10mbit: a smoke test, not a result")
     ap.add_argument("--from-json", type=Path, default=None, help="only redo table and plot of a saved run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
@@ -188,7 +208,7 @@ def main() -> None:
         data = json.loads(args.from_json.read_text())
         print(write_report([RunRecord.from_dict(r) for r in data["runs"]], data["meta"], args.out, name))
         return
-    if reason := unavailable_reason():
+    if reason := unavailable_reason() or (args.cpu_per_peer and cpu_unavailable_reason()):
         sys.exit(f"the swarm lab cannot run here: {reason}")
     caps = args.caps or (["lan", "10mbit"] if args.quick else ["lan", "50mbit", "10mbit"])
     steps = args.steps or (4 if args.quick else 16)
@@ -204,10 +224,11 @@ def main() -> None:
     )
     load_start = wait_for_quiet(args.max_load, args.max_wait)
     with tempfile.TemporaryDirectory(prefix="ravn-pipeline-") as tmp:
-        records = run_all(caps, args.modes, workload, Path(tmp))
+        records = run_all(caps, args.modes, workload, Path(tmp), args.cpu_per_peer)
     meta = {
         "workload": workload.__dict__,
         "cpus": os.cpu_count(),
+        "cpu_per_peer": args.cpu_per_peer,
         "load_start": [round(x, 2) for x in load_start],
         "load_end": [round(x, 2) for x in os.getloadavg()],
         "caps": {c: list(CAPS[c]) for c in caps},

@@ -158,6 +158,8 @@ class RunRecord:
     step_losses: list[float] = field(default_factory=list)  # training loss of each step
     startup_s: float = 0.0
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)  # 1/5/15-minute load averages at the end
+    cpu_per_peer: float | None = None  # each peer's own CPU share in cores (None: all share the machine)
+    cpu_throttled: dict[str, float] = field(default_factory=dict)  # peer -> share of periods its cap held it back
 
     @property
     def tokens_per_s(self) -> float:
@@ -322,6 +324,8 @@ def run_ravn(lab: Lab, cap: str, mode: str, workload: Workload, runs_dir: Path) 
         step_losses=[s["loss"] for s in result.steps],
         startup_s=result.wall_s - (end - start),
         load=os.getloadavg(),
+        cpu_per_peer=lab.cpu_per_peer,
+        cpu_throttled={h.name: round(h.cpu.throttled_fraction(), 3) for h in lab.peers if h.cpu},
     )
 
 

@@ -58,3 +58,18 @@ def test_the_report_judges_each_async_mode_against_sync_at_its_own_wires_and_lis
         "10mbit: async int4_rot/ecsq zstd >= 1.15x sync int4_rot/ecsq zstd": (True, "1.37x"),
         "lan: async int4_rot/ecsq zstd in-flight 4 >= 1x sync int4_rot/ecsq zstd": (True, "1.02x"),
     }
+
+
+def test_runs_on_cpu_shares_say_how_often_each_peer_was_held_back_and_saved_runs_still_load():
+    from benchmarks.pipeline import table
+
+    shared = _run("50mbit", "sync fp32", 5000)
+    assert "CPU throttled" not in table([shared])
+    own = RunRecord.from_dict(
+        {**shared.to_dict(), "cpu_per_peer": 0.6, "cpu_throttled": {"p1": 0.5, "p0": 0.25, "p2": 0.125}}
+    )
+    text = table([own])
+    assert "CPU throttled per peer" in text.splitlines()[0]
+    assert text.splitlines()[2].endswith("| 25% / 50% / 12% |")
+    before = {k: v for k, v in shared.to_dict().items() if not k.startswith("cpu_")}  # a record saved before shares
+    assert RunRecord.from_dict(before).cpu_per_peer is None

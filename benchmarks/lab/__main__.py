@@ -2,6 +2,7 @@
 
     python -m benchmarks.lab --peers 4 --link cable:200/20 --rtt 40ms -- python my_bench.py
     python -m benchmarks.lab --peers 2 --link 50mbit --selftest
+    python -m benchmarks.lab --peers 3 --cpu-per-peer 0.6 -- python my_bench.py   # a CPU share each
     python -m benchmarks.lab --cleanup-stale
 
 The command runs in the root namespace (or inside a lab host with `--in p0`) and finds the lab in
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from benchmarks.lab import procs
+from benchmarks.lab.cpu import cleanup_stale_shares
 from benchmarks.lab.lab import Lab
 from benchmarks.lab.links import LinkProfile, parse_duration_ms, parse_link
 from benchmarks.lab.netns import PREFIX, LabError, cleanup_stale, unavailable_reason
@@ -34,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                         "all peers or once per peer")  # fmt: skip
     p.add_argument("--rtt", type=parse_duration_ms, default=0.0, metavar="TIME",
                    help="RTT between hosts through relays, for links without @RTT (e.g. 40ms)")  # fmt: skip
+    p.add_argument("--cpu-per-peer", type=float, default=None, metavar="CORES",
+                   help="cap each peer host's processes at this many cores of its own (cgroups, e.g. 0.6)")  # fmt: skip
     p.add_argument("--coordinator", action="store_true", help="add a coordinator host `co`")
     p.add_argument("--coordinator-link", default="lan", metavar="SPEC", help="coordinator link (default lan)")
     p.add_argument("--relay", type=int, action="append", default=[], metavar="PORT",
@@ -83,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cleanup_stale:
         for name in cleanup_stale(PREFIX, include_live=args.force):
             print(f"removed {name}")
+        for name in cleanup_stale_shares(PREFIX, include_live=args.force):
+            print(f"removed CPU share {name}")
         return 0
     if not command and not args.selftest:
         print("nothing to do: give --selftest or `-- command ...`", file=sys.stderr)
@@ -94,9 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        with Lab(profiles, coordinator=coordinator) as lab:
+        with Lab(profiles, coordinator=coordinator, cpu_per_peer=args.cpu_per_peer) as lab:
             for h in lab.hosts:
-                print(f"lab {lab.id}: {h.name:<3} {h.address:<12} {h.link.describe()}  (netns {h.netns})",
+                cpu = f", {h.cpu.cores:g} cores" if h.cpu else ""
+                print(f"lab {lab.id}: {h.name:<3} {h.address:<12} {h.link.describe()}{cpu}  (netns {h.netns})",
                       file=sys.stderr, flush=True)  # fmt: skip
             rc = 0
             if args.selftest:

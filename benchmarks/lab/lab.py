@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from benchmarks.lab import netns as ns
 from benchmarks.lab import procs
+from benchmarks.lab.cpu import CpuShare, cleanup_stale_shares
 from benchmarks.lab.links import LinkProfile, shape_command
 
 READY_TIMEOUT = 15.0
@@ -55,6 +56,7 @@ class Host:
     address: str
     link: LinkProfile
     _lab: Lab = field(repr=False)
+    cpu: CpuShare | None = field(default=None, repr=False)  # its own CPU share (`Lab(cpu_per_peer=...)`)
 
     def argv(self, cmd: Sequence[str]) -> list[str]:
         """`cmd` wrapped to run inside this host's namespace."""
@@ -62,7 +64,8 @@ class Host:
 
     def popen(self, cmd: Sequence[str], die_with_parent: bool = True, **popen_kwargs) -> subprocess.Popen:
         """Start `cmd` inside this host (own session); the lab stops it at teardown if still running."""
-        return self._lab.adopt(procs.spawn(self.argv(cmd), die_with_parent=die_with_parent, **popen_kwargs))
+        join = self.cpu.join_before_exec if self.cpu else None
+        return self._lab.adopt(procs.spawn(self.argv(cmd), die_with_parent, join, **popen_kwargs))
 
     def run(self, cmd: Sequence[str], timeout: float | None = 60.0, check: bool = False, **popen_kwargs
             ) -> subprocess.CompletedProcess:  # fmt: skip
@@ -84,14 +87,15 @@ class Host:
         link = self.link
         return {"name": self.name, "role": self.role, "netns": self.netns, "address": self.address,
                 "down_mbit": link.down_mbit, "up_mbit": link.up_mbit, "rtt_ms": link.rtt_ms,
-                "link": link.describe()}  # fmt: skip
+                "link": link.describe(), "cpu_cores": self.cpu.cores if self.cpu else None}  # fmt: skip
 
 
 class Lab:
     """Context manager that builds the emulated swarm network and always tears it down.
 
     `peers` is a list of link profiles (or a count, for uncapped links); `coordinator` adds a host
-    named `co` (True: uncapped, or give its `LinkProfile`).
+    named `co` (True: uncapped, or give its `LinkProfile`). `cpu_per_peer` caps every peer host's
+    processes at that many cores of their own (`benchmarks.lab.cpu`); None: all share the machine.
     """
 
     def __init__(
@@ -101,7 +105,11 @@ class Lab:
         subnet: str = "10.77.0.0/24",
         prefix: str = ns.PREFIX,
         handle_signals: bool = True,
+        cpu_per_peer: float | None = None,
     ) -> None:
+        if cpu_per_peer is not None and not cpu_per_peer > 0:
+            raise ValueError(f"cpu_per_peer must be more than 0 cores, got {cpu_per_peer}")
+        self.cpu_per_peer = cpu_per_peer
         profiles = [LinkProfile(name="lan")] * peers if isinstance(peers, int) else list(peers)
         if not profiles and not coordinator:
             raise ValueError("a lab needs at least one host")
@@ -128,6 +136,7 @@ class Lab:
         self._handle_signals = handle_signals
         self._procs: list[subprocess.Popen] = []
         self._created: list[str] = []
+        self._shares: list[CpuShare] = []
         self._lock = threading.RLock()
         self._closed = False
         self._old_handlers: dict[int, object] = {}
@@ -212,6 +221,7 @@ class Lab:
         self._install_signal_handlers()
         try:
             ns.cleanup_stale(self.prefix)  # leftovers of crashed runs; live labs are left alone
+            cleanup_stale_shares(self.prefix)
         except ns.LabError:
             pass  # not ours to fail on: a stale lab must not stop a new one from starting
         try:
@@ -242,6 +252,10 @@ class Lab:
                         shape_command(b, h.name, h.link.down_mbit, h.link.queue_ms)):  # fmt: skip
                 if cmd:
                     run(cmd)
+        if self.cpu_per_peer is not None:
+            for h in self.peers:
+                h.cpu = CpuShare.create(h.netns, self.cpu_per_peer)
+                self._shares.append(h.cpu)
         self._wait_links_up()
 
     def _add_netns(self, name: str) -> None:
@@ -304,6 +318,11 @@ class Lab:
             for name in reversed(self._created):
                 try:
                     ns.delete_netns(name)
+                except Exception as exc:
+                    errors.append(exc)
+            for share in self._shares:  # empty now: their processes were in the namespaces
+                try:
+                    share.remove()
                 except Exception as exc:
                     errors.append(exc)
         finally:

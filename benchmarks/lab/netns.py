@@ -124,6 +124,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def owner_alive(name: str) -> bool:
+    """Whether the process that made this lab object (a namespace, a CPU share) still runs."""
+    match = _NAME_RE.match(name)
+    return bool(match) and _pid_alive(int(match.group("pid")))
+
+
 def cleanup_stale(prefix: str = PREFIX, include_live: bool = False) -> list[str]:
     """Delete namespaces left by labs whose owning process died (or all of them with `include_live`).
 
@@ -132,8 +138,7 @@ def cleanup_stale(prefix: str = PREFIX, include_live: bool = False) -> list[str]
     """
     removed = []
     for name in list_netns(prefix):
-        match = _NAME_RE.match(name)
-        if match and not include_live and _pid_alive(int(match.group("pid"))):
+        if not include_live and owner_alive(name):
             continue
         delete_netns(name)
         removed.append(name)

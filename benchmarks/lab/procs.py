@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -47,14 +47,27 @@ def lab_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return merged
 
 
-def spawn(argv: Sequence[str], die_with_parent: bool = True, **popen_kwargs) -> subprocess.Popen:
+def spawn(
+    argv: Sequence[str],
+    die_with_parent: bool = True,
+    before_exec: Callable[[], None] | None = None,
+    **popen_kwargs,
+) -> subprocess.Popen:
     """Popen in a new session; with `die_with_parent` it gets SIGTERM if the spawning thread dies.
 
     The parent death signal is tied to the *thread* that spawned the process: spawn long-lived
-    processes from a thread that lives as long as the lab (normally the main thread).
+    processes from a thread that lives as long as the lab (normally the main thread). `before_exec`
+    runs in the child before the command (e.g. joining a CPU share, so everything it starts is in it).
     """
-    if die_with_parent:
-        popen_kwargs.setdefault("preexec_fn", _die_with_parent)
+    if die_with_parent or before_exec:
+
+        def setup() -> None:
+            if die_with_parent:
+                _die_with_parent()
+            if before_exec:
+                before_exec()
+
+        popen_kwargs.setdefault("preexec_fn", setup)
     popen_kwargs.setdefault("start_new_session", True)
     proc = subprocess.Popen(list(argv), **popen_kwargs)
     proc.lab_own_group = bool(popen_kwargs["start_new_session"])  # type: ignore[attr-defined]

@@ -266,6 +266,71 @@ def test_cleanup_stale_removes_dead_labs_only(lab_ok):
     assert list_netns("ravntest") == []
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.lab
+def test_a_peer_on_its_own_cpu_share_cannot_use_more_and_its_children_are_in_it(lab_ok):
+    from benchmarks.lab import Lab
+    from benchmarks.lab.cpu import cpu_controller
+    from benchmarks.lab.cpu import unavailable_reason as cpu_reason
+
+    if reason := cpu_reason():
+        pytest.skip(f"CPU shares unavailable: {reason}")
+    spin = [sys.executable, "-c", "import os, sys\nif os.fork() == 0: print(os.getpid(), flush=True)\nwhile True: pass"]
+    with Lab(2, coordinator=True, cpu_per_peer=0.25) as lab:
+        p0, co = lab.host(0), lab.host("co")
+        assert co.cpu is None and lab.host(1).cpu is not None
+        assert p0.describe()["cpu_cores"] == 0.25
+        parent = p0.popen(spin, stdout=subprocess.PIPE, text=True)
+        child = int(parent.stdout.readline())  # forked after exec: in the share only if children inherit it
+        share = p0.cpu.path
+        assert sorted(p0.cpu.pids()) == sorted([parent.pid, child])
+        assert share.name in Path(f"/proc/{child}/cgroup").read_text()
+        t0, used0 = time.monotonic(), _cpu_seconds(parent.pid) + _cpu_seconds(child)
+        deadline = t0 + 2.0
+        while time.monotonic() < deadline:
+            select.select([], [], [], 0.1)
+        used = _cpu_seconds(parent.pid) + _cpu_seconds(child) - used0
+        wall = time.monotonic() - t0
+        throttled = p0.cpu.throttled_fraction()
+        lab_id = lab.id
+    # two spinning processes, and together at most a quarter core (plus a period's slack)
+    assert used <= 0.25 * wall + 0.05, (used, wall)
+    assert throttled > 0.5, throttled
+    root = cpu_controller()[0]
+    assert not share.exists() and [p for p in root.glob(f"*{lab_id}*")] == []
+    assert not _alive(parent.pid) and not _alive(child)
+
+
+@pytest.mark.lab
+def test_cleanup_stale_removes_dead_labs_cpu_shares_only(lab_ok):
+    from benchmarks.lab.cpu import cleanup_stale_shares, cpu_controller
+    from benchmarks.lab.cpu import unavailable_reason as cpu_reason
+
+    if reason := cpu_reason():
+        pytest.skip(f"CPU shares unavailable: {reason}")
+    root = cpu_controller()[0]
+    dead, live = root / "ravntest-999999999x00-p0", root / f"ravntest-{os.getpid()}x00-p0"
+    for path in (dead, live):
+        path.mkdir()
+    try:
+        assert cleanup_stale_shares("ravntest") == [dead.name]
+        assert not dead.exists() and live.exists()
+    finally:
+        cleanup_stale_shares("ravntest", include_live=True)
+    assert not live.exists()
+
+
+def test_cpu_share_rejects_a_share_of_nothing():
+    from benchmarks.lab import Lab
+
+    with pytest.raises(ValueError, match="more than 0 cores"):
+        Lab(1, cpu_per_peer=0)
+
+
 def _cli(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "benchmarks.lab", *args], cwd=_ROOT, text=True, **kwargs)
 
