@@ -40,8 +40,9 @@ CAPS: dict[str, tuple[str, ...]] = {
 }
 
 RAVN_SYNC = ("--schedule", "sync")
-# speed runs time async from the end of the warm-up (``timed_from``): no sync steps beyond it, as before they existed
-RAVN_ASYNC = ("--schedule", "async", "--max-staleness", "1", "--sync-steps", "0")
+# speed runs time async from the end of the warm-up (``timed_from``): no sync steps beyond it, as before they existed;
+# the full window ((S + 1) x K in flight), as before the cap at K became async's default ("in-flight 4" modes cap)
+RAVN_ASYNC = ("--schedule", "async", "--max-staleness", "1", "--sync-steps", "0", "--max-in-flight", "0")
 RAVN_FP32 = ("--wire-forward", "fp32", "--wire-backward", "fp32")
 RAVN_PLAIN = ("--wire-zstd", "off")  # 4-bit codes as the codec makes them, as every row before zstd coding
 RAVN_CODECS = ("--wire-forward", "int4_rot", "--wire-backward", "int8", *RAVN_PLAIN)  # the defaults until 2026-12-02

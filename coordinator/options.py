@@ -32,18 +32,19 @@ from swarm.config import (
     DEFAULT_LR,
     DEFAULT_MAX_STALENESS,
     DEFAULT_MICRO_BATCHES,
-    DEFAULT_SCHEDULE,
+    LR_DECAYS,
     MODEL_PRESETS,
     SCHEDULES,
     HFConfig,
     ModelConfig,
     TrainConfig,
+    default_max_in_flight,
+    default_schedule,
 )
 from swarm.wire.codec_policy import FEEDBACK_MODES
 
 AVERAGE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int4_rot")  # replica averaging sends nothing zstd-coded
 ON_OFF = ("on", "off")
-LR_DECAYS = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -236,8 +237,10 @@ def _train_params(
     lr_decay: Annotated[
         str,
         typer.Option(
-            help="The lr after the warm-up: 'constant', or 'cosine' to a tenth of the peak at the last step. Over 600 "
-            "steps of gpt-medium: sync 0.7% lower, async S = 1 +2.9% above sync instead of +4.1% (docs/BENCHMARKS.md).",
+            help="The lr after the warm-up: 'constant', or 'cosine' to a tenth of the peak at the last step. In sync "
+            "the decay ended 1.4% lower over 600 steps of gpt-medium, but 1.0% higher over gpt-small's default 300 "
+            "and 2.9% higher in LoRA fine-tuning; it holds async's cost from scratch at +1.4% instead of +2.5% "
+            "(docs/BENCHMARKS.md, 'Async the default').",
             callback=lambda v: check_choice(v, LR_DECAYS, "lr decay"),
         ),
     ] = "constant",
@@ -297,14 +300,17 @@ def _train_params(
         ),
     ] = 32,
     schedule: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="'sync' (GPipe: the exact reference) or 'async' (bounded staleness: fills the pipeline's bubbles "
-            "at a loss cost: +2.9% against sync after 600 steps of gpt-medium with --lr-decay cosine, +4.1% without; "
-            "+1.4% with --max-in-flight equal to --micro-batches; docs/BENCHMARKS.md).",
-            callback=lambda v: check_choice(v, SCHEDULES, "schedule"),
+            help="'async' (bounded staleness: fills the pipeline's bubbles; the default for a checkpoint's LoRA "
+            "fine-tuning, S = 1 with --micro-batches in flight: +0.85% against sync, 1.32-1.36x its tokens/s at 10-50 "
+            "Mbit/s with a core per peer) or 'sync' (GPipe, the exact reference; the default from scratch, where async "
+            "costs +2.5% at the constant lr and +1.4% with --lr-decay cosine over 600 steps of gpt-medium; "
+            "docs/BENCHMARKS.md, 'Async the default').",
+            callback=lambda v: v if v is None else check_choice(v, SCHEDULES, "schedule"),
+            show_default=False,
         ),
-    ] = DEFAULT_SCHEDULE,
+    ] = None,
     max_staleness: Annotated[
         int, typer.Option(min=0, help="Async: apply no gradient more than S weight versions late; 0 is exactly sync.")
     ] = DEFAULT_MAX_STALENESS,
@@ -318,15 +324,16 @@ def _train_params(
         ),
     ] = 60,
     max_in_flight: Annotated[
-        int,
+        int | None,
         typer.Option(
             min=0,
-            help="Micro-batches in the pipeline at once (0: (S+1) x micro-batches, those that would come back 2+ "
-            "versions late only while the measured pipeline needs them). Async with this equal to --micro-batches "
-            "keeps sync's activations and cost less loss (+1.3-1.4% over 600 steps of gpt-medium, +0.85% in LoRA "
-            "fine-tuning) at less speed (1.06-1.20x sync at 10-50 Mbit/s, against 1.08-1.39x; docs/BENCHMARKS.md).",
+            show_default=False,
+            help="Async: micro-batches in the pipeline at once (default: --micro-batches, sync's activation memory; "
+            "0: (S+1) x micro-batches, those that would come back 2+ versions late only while the measured pipeline "
+            "needs them). The default cost less loss than 0 (+1.4% against +2.9% over 600 steps of gpt-medium, "
+            "+0.85% against +1.3% in LoRA fine-tuning) at less speed on shared cores (docs/BENCHMARKS.md).",
         ),
-    ] = 0,
+    ] = None,
     grad_clip: Annotated[
         float,
         typer.Option(
@@ -422,6 +429,7 @@ def _train_params(
         float, typer.Option(min=0.0, max=0.99, help="Nesterov momentum of the outer step (0: none).")
     ] = 0.0,
 ) -> RunOptions:
+    schedule = schedule or default_schedule(from_scratch=model in MODEL_PRESETS)
     return RunOptions(
         model,
         steps,
@@ -439,7 +447,7 @@ def _train_params(
         wire_rank,
         schedule,
         max_staleness if schedule == "async" else 0,
-        max_in_flight,
+        default_max_in_flight(schedule, micro_batches) if max_in_flight is None else max_in_flight,
         grad_clip,
         checkpoint_every,
         finetune or ("full" if model in MODEL_PRESETS else "lora"),

@@ -33,11 +33,12 @@ from swarm.config import (
     BASE_QUANTS,
     DEFAULT_MAX_STALENESS,
     DEFAULT_MICRO_BATCHES,
-    DEFAULT_SCHEDULE,
     SCHEDULES,
     WIRE_AUTO,
     TrainConfig,
     backward_ladder,
+    default_max_in_flight,
+    default_schedule,
     forward_ladder,
 )
 
@@ -316,10 +317,11 @@ def plan(
     schedule: Annotated[
         str,
         typer.Option(
-            help="The run's schedule, as in ravn local: async keeps (S + 1) x K micro-batches in flight, sync K.",
+            help="The run's schedule, as in ravn local (a checkpoint's default: async with K micro-batches in flight, "
+            "as sync keeps).",
             callback=lambda v: check_choice(v, SCHEDULES, "schedule"),
         ),
-    ] = DEFAULT_SCHEDULE,
+    ] = default_schedule(from_scratch=False),
     max_staleness: Annotated[
         int, typer.Option(min=0, help="Async: the staleness bound S, as in ravn local.")
     ] = DEFAULT_MAX_STALENESS,
@@ -362,7 +364,11 @@ def plan(
             raise SpecError(f"--context {ctx} exceeds the model's {arch.max_positions} positions")
         bound = max_staleness if schedule == "async" else 0
         run = TrainConfig(
-            micro_batches=micro_batches, micro_batch_size=micro_batch_size, schedule=schedule, max_staleness=bound
+            micro_batches=micro_batches,
+            micro_batch_size=micro_batch_size,
+            schedule=schedule,
+            max_staleness=bound,
+            max_in_flight=default_max_in_flight(schedule, micro_batches),
         )
         flight = in_flight or run.in_flight_limit
         settings = mm.Settings(

@@ -100,7 +100,9 @@ def test_lora_run_writes_an_adapter_that_peft_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # ~30 s; tests/test_hf_runner.py checks the same kept weights in-process by default
-def test_an_async_lora_run_keeps_only_adapters_for_stale_backwards(tmp_path: Path) -> None:
+def test_a_lora_run_is_async_by_default_and_keeps_only_adapters_for_stale_backwards(tmp_path: Path) -> None:
+    """No --schedule: a checkpoint's fine-tuning runs async S = 1 capped at K (#20, docs/BENCHMARKS.md, "Async the
+    default"), and what it keeps for a stale backward is adapters, never the frozen base."""
     ckpt, data = _checkpoint_and_data(tmp_path)
     run_ravn_local(
         tmp_path,
@@ -129,14 +131,10 @@ def test_an_async_lora_run_keeps_only_adapters_for_stale_backwards(tmp_path: Pat
         "0",
         "--eval-batches",
         "2",
-        "--schedule",
-        "async",
         "--warmup-steps",
         "2",  # the warm-up and the sync steps run synchronously: keep them short of these short runs
         "--sync-steps",
         "2",
-        "--max-staleness",
-        "1",
     )
     run = tmp_path / "stash"
     adapter = load_file(run / "adapter" / "adapter_model.safetensors")
@@ -147,8 +145,11 @@ def test_an_async_lora_run_keeps_only_adapters_for_stale_backwards(tmp_path: Pat
     layer_bytes = set(per_layer.values())
     assert len(layer_bytes) == 1, per_layer  # every layer carries the same adapters
     (layer_bytes,) = layer_bytes
-    micro_batches = json.loads((run / "config.json").read_text())["train"]["micro_batches"]
+    train = json.loads((run / "config.json").read_text())["train"]
+    micro_batches = train["micro_batches"]
+    assert (train["schedule"], train["max_staleness"], train["max_in_flight"]) == ("async", 1, micro_batches)
     stages = [m for m in read_metrics(run) if m["kind"] == "summary"][-1]["stages"]
+    assert all(s["in_flight_peak"] <= micro_batches for s in stages), stages  # sync's activation memory
     assert stages[0]["kept_weights_bytes_peak"] > 0, stages  # the first stage's micro-batches did go stale
     for s in stages:
         kept = s["kept_weights_bytes_peak"]

@@ -89,7 +89,8 @@ def test_ravn_plan_prints_a_table_and_json(tmp_path: Path) -> None:
 
 
 def test_the_plan_keeps_the_micro_batches_in_flight_that_the_schedule_does(tmp_path: Path) -> None:
-    """Async keeps (S + 1) x K micro-batches in flight, twice sync's activations at S = 1: a plan for it must say so."""
+    """A checkpoint's default, async capped at K in flight, keeps sync's K micro-batches; async's full window,
+    (S + 1) x K, keeps twice sync's activations at S = 1: a plan for it must say so."""
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     peers = ["--peer", "4GiB,100mbit", "--peer", "4GiB,100mbit"]
 
@@ -98,13 +99,17 @@ def test_the_plan_keeps_the_micro_batches_in_flight_that_the_schedule_does(tmp_p
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
-    sync, fine = planned(), planned("--schedule", "async")
-    assert (sync["settings"]["in_flight"], fine["settings"]["in_flight"]) == (4, 8)
+    default, sync, window = planned(), planned("--schedule", "sync"), planned("--in-flight", "8")
+    assert [p["settings"]["in_flight"] for p in (default, sync, window)] == [4, 4, 8]
     # one set of defaults (swarm/config.py): the same flags plan what ravn local runs
-    assert (4, 8) == (recipe().in_flight_limit, recipe("--schedule", "async").in_flight_limit)
-    assert planned("--schedule", "async", "--max-staleness", "2", "--micro-batches", "3")["settings"]["in_flight"] == 9
-    assert planned("--schedule", "async", "--in-flight", "5")["settings"]["in_flight"] == 5
-    activations = [sum(s["activation_bytes"] for s in r["stages"]) for r in (sync, fine)]
+    assert (4, 4, 8) == (
+        recipe("--schedule", "async").in_flight_limit,
+        recipe("--schedule", "sync").in_flight_limit,
+        recipe("--schedule", "async", "--max-in-flight", "0").in_flight_limit,
+    )
+    assert planned("--max-staleness", "2", "--micro-batches", "3")["settings"]["in_flight"] == 3
+    assert recipe("--schedule", "async", "--max-staleness", "2", "--micro-batches", "3").in_flight_limit == 3
+    activations = [sum(s["activation_bytes"] for s in r["stages"]) for r in (default, window)]
     assert activations[1] > 1.3 * activations[0], activations  # all but the last stage keep twice as many
     bad = ravn_plan("--model", str(tmp_path), *peers, "--schedule", "gpipe")
     assert bad.returncode == 2 and "unknown schedule 'gpipe'" in bad.stderr, bad.stderr
