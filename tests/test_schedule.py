@@ -4,6 +4,7 @@ weights, a step shrunk by its gradients' lateness)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def test_async_with_zero_staleness_is_the_sync_recipe_with_default_flags() -> No
     assert recipe("--grad-clip", "0").grad_clip == 0.0  # the unsplit model's exact recipe
 
 
-def test_the_default_schedule_is_the_measured_one(tmp_path) -> None:  # noqa: ANN001 - pytest's
+def test_the_default_schedule_is_the_measured_one(tmp_path: Path) -> None:
     """#20 (docs/BENCHMARKS.md, "Async the default"): a checkpoint's LoRA fine-tuning that names no schedule runs
     async S = 1 capped at K micro-batches in flight (sync's activations) at the constant lr, measured within 2% of
     sync; a model trained from scratch runs sync, where async met 2% only under a decay that is no default."""
