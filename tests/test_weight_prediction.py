@@ -162,3 +162,35 @@ def test_the_step_a_sender_claims_moves_the_prediction_at_most_within_the_bound(
     for m in range(K + 4, 2 * K + 1):
         r.forward(m, x)
     assert r._pending[2 * K].weights[1] == 1
+
+
+def test_the_prediction_with_gradients_in_is_adamws_next_update_even_where_no_gradient_came_before() -> None:
+    """With ``known`` of K gradients in and the rest taken as the first moment, the predicted weights are what
+    AdamW's next step makes of that gradient: both moments take it in. A parameter whose gradients were all zero
+    so far has no second moment, as a LoRA A has while its B is still zero (PEFT's initialisation), or an
+    embedding row of a token not seen yet. The prediction used to divide the new first moment by the old second
+    one, eps there: it put a LoRA A about 1e4 away, the next stage saw activations of 1e11 and quarantined the
+    first (CI, 2026-12-07)."""
+    torch.manual_seed(0)
+    lr, clip, known = 1e-2, 1.0, 1
+    seen = torch.nn.Parameter(torch.randn(6))
+    unseen = torch.nn.Parameter(torch.randn(6))
+    opt = torch.optim.AdamW([seen, unseen], lr=lr, weight_decay=0.01)
+    for _ in range(3):  # updates in which `unseen` gets no gradient: its moments stay zero
+        seen.grad, unseen.grad = 1e-3 * torch.randn(6), torch.zeros(6)
+        opt.step()
+    assert float(opt.state[unseen]["exp_avg_sq"].abs().max()) == 0.0
+    seen.grad, unseen.grad = 1e-3 * torch.randn(6), 1e-3 * torch.randn(6)  # the first gradient in of this step
+    predicted = predict_adamw(opt, [("seen", seen), ("unseen", unseen)], lr, known, K, K, clip)
+
+    after = [torch.nn.Parameter(p.detach().clone()) for p in (seen, unseen)]
+    twin = torch.optim.AdamW(after, lr=lr, weight_decay=0.01)
+    twin.load_state_dict(opt.state_dict())
+    rest = (K - known) / K
+    for p, q in zip((seen, unseen), after, strict=True):
+        q.grad = p.grad + rest * opt.state[p]["exp_avg"]  # the rest of the step: its expectation
+    torch.nn.utils.clip_grad_norm_(after, clip)
+    twin.step()
+    for name, q in zip(("seen", "unseen"), after, strict=True):
+        torch.testing.assert_close(predicted[name], q.detach(), rtol=1e-5, atol=1e-7)
+    assert float((predicted["unseen"] - unseen.detach()).abs().max()) < 2 * lr  # a step of Adam, never 1e4
