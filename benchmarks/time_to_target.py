@@ -152,7 +152,7 @@ def train_losses(runs_dir: Path, pair: str, seed: int, model: str, feedback: str
     if not metrics.exists():
         return []
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    return [m["loss"] for m in rows if m["kind"] == "step"]
+    return [m["loss"] for m in rows if m["kind"] == "step" and m["loss"] is not None]
 
 
 # ---- seconds per step, from the lab -------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import deque
@@ -66,7 +67,7 @@ class Progress:
     def _line(self) -> str:
         val = f" | val {self.val:.3f}" if self.val is not None else ""
         return (
-            f"step {self.step + 1}/{self.total} | loss {self.loss:.3f}{val} | "
+            f"step {self.step + 1}/{self.total} | loss {'-' if math.isnan(self.loss) else f'{self.loss:.3f}'}{val} | "
             f"{self.tokens_per_s:,.0f} tok/s | wire {self.wire_mb_s:.1f} MB/s"
         )
 

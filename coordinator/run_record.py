@@ -9,6 +9,7 @@ up), ``metrics.jsonl`` and the model or adapter (``artifacts.RunArtifacts``), th
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -103,7 +104,8 @@ class RunRecord:
         self.last_step = state.last_step
         for event in read_events(self.s.run_dir):
             if event.get("kind") == "step":
-                self.train_losses.append((event["step"], event["loss"]))
+                if event["loss"] is not None:
+                    self.train_losses.append((event["step"], event["loss"]))
                 self.step_tokens.append(event["tokens"])
                 self.last_step = event["step"]
             elif event.get("kind") == "eval":
@@ -136,12 +138,18 @@ class RunRecord:
         if evals:
             self.evaled_through = max(ev.step for ev in evals)
         for st in steps:
-            self.train_losses.append((st.step, st.loss))
+            # a step none of whose micro-batches came through (all dropped) has no loss: the driver's 0.0 says
+            # nothing, and shown as a loss it looked like a perfect step
+            loss = st.loss if st.tokens else None
+            if loss is None:
+                log.warning("step %d: every micro-batch was dropped; it has no loss", st.step + 1)
+            else:
+                self.train_losses.append((st.step, loss))
             self.last_step = st.step
-            self.artifacts.log("step", step=st.step, loss=st.loss, tokens=st.tokens, seconds=st.seconds)
-            self.progress.on_step(st.step, st.loss, st.tokens, st.seconds)
+            self.artifacts.log("step", step=st.step, loss=loss, tokens=st.tokens, seconds=st.seconds)
+            self.progress.on_step(st.step, math.nan if loss is None else loss, st.tokens, st.seconds)
             self.step_tokens.append(st.tokens)
-            self.metrics.on_step(st.step, st.loss, st.tokens)
+            self.metrics.on_step(st.step, math.nan if loss is None else loss, st.tokens)
         for ev in evals:
             self.val_losses.append((ev.step, ev.loss))
             self.artifacts.log("eval", step=ev.step, loss=ev.loss, tokens=ev.tokens)
