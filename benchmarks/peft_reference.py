@@ -57,7 +57,7 @@ class Recipe:
 
 @dataclass
 class Result:
-    losses: list[float] = field(default_factory=list)
+    losses: list[float | None] = field(default_factory=list)  # None: a Ravn step with no loss
     tokens: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
@@ -166,11 +166,15 @@ def ravn_steps(run_dir: str | Path) -> Result:
 
 
 def compare(ravn: Result, ref: Result) -> dict:
+    """Per-step agreement of the two runs. A Ravn step with no loss (every micro-batch dropped: ``null`` in
+    metrics.jsonl) has nothing to compare; it is counted, and its tokens already differ."""
     n = min(len(ravn.losses), len(ref.losses))
-    diffs = [abs(a - b) for a, b in zip(ravn.losses[:n], ref.losses[:n], strict=True)]
-    rel = [abs(a - b) / abs(b) for a, b in zip(ravn.losses[:n], ref.losses[:n], strict=True) if b]
+    pairs = [(a, b) for a, b in zip(ravn.losses[:n], ref.losses[:n], strict=True) if a is not None]
+    diffs = [abs(a - b) for a, b in pairs]
+    rel = [abs(a - b) / abs(b) for a, b in pairs if b]
     return {
         "steps": n,
+        "steps_without_loss": n - len(pairs),
         "max_abs_diff": max(diffs, default=0.0),
         "max_rel_diff": max(rel, default=0.0),
         "last_rel_diff": rel[-1] if rel else 0.0,
@@ -181,7 +185,10 @@ def compare(ravn: Result, ref: Result) -> dict:
 def side_by_side(ravn: Result, ref: Result) -> str:
     lines = ["| step | Ravn loss | peft loss | abs diff |", "|---|---|---|---|"]
     for i, (a, b) in enumerate(zip(ravn.losses, ref.losses, strict=False)):
-        lines.append(f"| {i} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
+        if a is None:
+            lines.append(f"| {i} | - | {b:.6f} | - |")
+        else:
+            lines.append(f"| {i} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
     for name, r in (("Ravn", ravn), ("peft", ref)):
         steady = r.seconds[1:] or r.seconds  # the first step includes warm-up
         lines.append(

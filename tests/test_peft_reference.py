@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from benchmarks.peft_reference import Recipe, compare, ravn_steps, train  # noqa: E402
+from benchmarks.peft_reference import Recipe, Result, compare, ravn_steps, side_by_side, train  # noqa: E402
 from swarm.train.hf.tiny import make_tiny_checkpoint  # noqa: E402
 from tests.conftest import run_ravn_local  # noqa: E402
 
@@ -55,3 +55,20 @@ def test_ravn_lora_matches_a_peft_loop_step_for_step(tmp_path: Path, dtype: str)
     assert result["tokens_equal"], (ravn.tokens, reference.tokens)
     assert result["max_abs_diff"] <= 1e-4, list(zip(ravn.losses, reference.losses, strict=True))
     assert reference.losses[-1] < reference.losses[0]  # it trained: the agreement is not of two idle runs
+
+
+def test_a_ravn_step_without_a_loss_is_counted_not_compared(tmp_path: Path) -> None:
+    """A step none of whose micro-batches came through has ``loss: null`` in metrics.jsonl; the comparison
+    names it instead of failing on it, and the side-by-side table shows it as '-'."""
+    rows = [
+        {"kind": "step", "step": 0, "loss": 2.0, "tokens": 8, "seconds": 0.1},
+        {"kind": "step", "step": 1, "loss": None, "tokens": 0, "seconds": 0.1},
+        {"kind": "step", "step": 2, "loss": 1.5, "tokens": 8, "seconds": 0.1},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ravn = ravn_steps(tmp_path)
+    ref = Result(losses=[2.0, 1.8, 1.2], tokens=[8, 8, 8], seconds=[0.1, 0.1, 0.1])
+    got = compare(ravn, ref)
+    assert got["steps"] == 3 and got["steps_without_loss"] == 1 and not got["tokens_equal"]
+    assert got["max_abs_diff"] == pytest.approx(0.3) and got["last_rel_diff"] == pytest.approx(0.25)
+    assert "| 1 | - | 1.800000 | - |" in side_by_side(ravn, ref)
