@@ -61,10 +61,12 @@ WIDE_FROM = 256  # d_model from which 4-bit activations stay within 2% of fp32 (
 
 def default_schedule(*, from_scratch: bool) -> str:
     """The schedule of a run that names none, measured per origin as the wire codecs are (docs/BENCHMARKS.md,
-    "Async the default"). A checkpoint's LoRA fine-tuning runs async, capped at K in flight: +0.85% against sync at
-    the default recipe, 1.32-1.36x its speed with a core per peer. From scratch async stays within 2% of sync only
-    under the cosine decay (+1.41% over 600 steps of gpt-medium, +2.51% at the constant lr), and the decay is no
-    recipe for every run (it ended gpt-small's default 300 steps 1.0% higher in sync), so sync stays."""
+    "Async the default"). A checkpoint's LoRA fine-tuning runs async, capped at K in flight: +0.00% against sync at
+    the default recipe ("The lateness cap in LoRA fine-tuning"), 1.32-1.36x its speed with a core per peer. From
+    scratch async stays within 2% of sync under the cosine decay (+1.41% over 600 steps of gpt-medium); at the
+    constant lr, since the in-flight cap dropped the lateness cap, +1.91% on the mean of 4 seeds but two of them over
+    2% ("The lateness cap in LoRA fine-tuning"), and the decay is no recipe for every run (it ended gpt-small's
+    default 300 steps 1.0% higher in sync), so sync stays."""
     return "sync" if from_scratch else "async"
 
 
@@ -225,6 +227,15 @@ class TrainConfig:
     def in_flight_limit(self) -> int:
         """Micro-batches admitted but not yet back; bounds every stage's activation memory."""
         return self.max_in_flight or (self.staleness_bound + 1) * self.micro_batches
+
+    @property
+    def shrinks_late_steps(self) -> bool:
+        """Whether a step's lr is capped by its gradients' lateness (``stage_runner.staleness_lr_scale``). That cap
+        halved async's cost on gpt-small's full window, but under the in-flight cap at K (async's default) it cost
+        loss at the constant lr: without it 300 steps of LoRA fine-tuning and 600 of gpt-medium from scratch ended
+        lower on every seed (docs/BENCHMARKS.md, "The lateness cap under the in-flight cap"). The full window keeps
+        it, and so does the cosine decay, measured only with it."""
+        return self.in_flight_limit > self.micro_batches or self.lr_decay_steps > 0
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up (short runs must still learn, long ones must not diverge), then constant, or a cosine

@@ -135,13 +135,15 @@ def test_a_decayed_lr_is_shrunk_only_below_the_peak_over_one_plus_the_lateness()
     assert staleness_lr_scale(4, 4, decayed=0.0) == 1.0  # --lr 0
 
 
-def runner(s: int) -> StageRunner:
-    """The first stage of CFG (layer 0 with the embeddings), async with staleness bound ``s``."""
+def runner(s: int, max_in_flight: int = 0) -> StageRunner:
+    """The first stage of CFG (layer 0 with the embeddings), async with staleness bound ``s`` (by default on the
+    full window, (s + 1) micro-batches in flight)."""
     tc = TrainConfig(
         micro_batches=1,
         micro_batch_size=2,
         schedule="async",
         max_staleness=s,
+        max_in_flight=max_in_flight,
         warmup_steps=0,
         lr=1e-2,
     )
@@ -268,8 +270,9 @@ def test_a_forward_that_will_be_stale_runs_on_weights_predicted_that_many_update
 
 
 def test_a_stage_steps_at_the_rate_its_gradients_lateness_allows() -> None:
-    """S = 1, one micro-batch per step: the first update is fresh and takes the schedule's rate, the second
-    applies a gradient one version late and takes half of it; weight prediction then assumes that half."""
+    """S = 1 on the full window, one micro-batch per step: the first update is fresh and takes the schedule's
+    rate, the second applies a gradient one version late and takes half of it; weight prediction then assumes
+    that half."""
     torch.manual_seed(0)
     r = runner(s=1)
     x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 16)
@@ -279,3 +282,20 @@ def test_a_stage_steps_at_the_rate_its_gradients_lateness_allows() -> None:
     assert r.optimizer.param_groups[0]["lr"] == r.train_cfg.lr_at(0) and r.lr_scale == 1.0
     assert r.backward(2, g).staleness == 1
     assert r.optimizer.param_groups[0]["lr"] == r.train_cfg.lr_at(1) * 0.5 and r.lr_scale == 0.5
+
+
+def test_under_the_in_flight_cap_at_k_a_late_step_takes_the_schedules_rate() -> None:
+    """#20: under async's default cap of K micro-batches in flight the lateness cap on the lr cost loss at the
+    constant lr (docs/BENCHMARKS.md, "The lateness cap under the in-flight cap"), so there a late step is not
+    shrunk; the full window and the cosine decay, measured with the cap, keep it."""
+    torch.manual_seed(0)
+    r = runner(s=1, max_in_flight=1)
+    x, g = torch.randint(0, 256, (2, 8)), torch.randn(2, 8, 16)
+    r.forward(1, x)
+    r.forward(2, x)
+    assert r.backward(1, g).stepped
+    assert r.backward(2, g).staleness == 1
+    assert r.optimizer.param_groups[0]["lr"] == r.train_cfg.lr_at(1) and r.lr_scale == 1.0
+    assert not recipe("--schedule", "async").shrinks_late_steps  # the default: K in flight, constant lr
+    assert recipe("--schedule", "async", "--max-in-flight", "0").shrinks_late_steps  # the full window
+    assert recipe("--schedule", "async", "--lr-decay", "cosine").shrinks_late_steps

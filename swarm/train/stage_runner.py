@@ -392,7 +392,8 @@ class StageRunner:
         """Apply the accumulated gradients; the weight version counts these steps."""
         scheduled = self.train_cfg.lr_at(self.version)
         decayed = scheduled / self.train_cfg.lr if self.train_cfg.lr > 0 else 1.0
-        self.lr_scale = staleness_lr_scale(self._late, self._applied, decayed)
+        shrink = self.train_cfg.shrinks_late_steps
+        self.lr_scale = staleness_lr_scale(self._late, self._applied, decayed) if shrink else 1.0
         self._late = self._applied = 0
         for group in self.optimizer.param_groups:
             group["lr"] = scheduled * self.lr_scale
@@ -485,7 +486,8 @@ def staleness_lr_scale(late: int, applied: int, decayed: float = 1.0) -> float:
     (1 + the mean lateness): at the peak that is the factor 1/(1 + mean lateness), which on gpt-small at 3e-3
     cut async S = 1's loss cost from +8.4% to +3.0% (2 seeds, docs/BENCHMARKS.md); a schedule that has
     decayed the lr to ``decayed`` of the peak is shrunk only below that cap. A fresh step is never shrunk,
-    so S = 0 stays exactly sync.
+    so S = 0 stays exactly sync. Under the in-flight cap at K at the constant lr the cap cost loss, and a stage
+    does not apply it there (``TrainConfig.shrinks_late_steps``).
     """
     if not applied or decayed <= 0:
         return 1.0
