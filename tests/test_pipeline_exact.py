@@ -47,10 +47,12 @@ def reference_training(steps: int, **lr_schedule: int) -> tuple[list[float], dic
     [
         (["--schedule", "sync"], {}),  # default flags otherwise
         (["--schedule", "async", "--max-staleness", "0"], {}),
-        # every peer decays the lr as the recipe says: 1, 0.775, 0.325 of the peak over the 3 steps
-        (
+        # every peer decays the lr as the recipe says: 1, 0.775, 0.325 of the peak over the 3 steps (slow: the
+        # default suite keeps the decay's shape and its trip to the peers, tests/test_lr_decay.py)
+        pytest.param(
             ["--schedule", "sync", "--lr-decay", "cosine", "--warmup-steps", "0"],
             {"warmup_steps": 0, "lr_decay_steps": STEPS},
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["sync", "async-S0", "sync-cosine"],

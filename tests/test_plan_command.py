@@ -91,13 +91,17 @@ def test_ravn_plan_prints_a_table_and_json(tmp_path: Path) -> None:
 def test_the_plan_keeps_the_micro_batches_in_flight_that_the_schedule_does(tmp_path: Path) -> None:
     """A checkpoint's default, async capped at K in flight, keeps sync's K micro-batches; async's full window,
     (S + 1) x K, keeps twice sync's activations at S = 1: a plan for it must say so."""
+    from typer.testing import CliRunner
+
+    from coordinator.ravn_cli import app
+
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     peers = ["--peer", "4GiB,100mbit", "--peer", "4GiB,100mbit"]
 
-    def planned(*flags: str) -> dict:
-        proc = ravn_plan("--model", str(tmp_path), *peers, "--json", *flags)
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout)
+    def planned(*flags: str) -> dict:  # in this process: the subprocess is test_ravn_plan_prints_a_table_and_json's
+        result = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), *peers, "--json", *flags])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
 
     default, sync, window = planned(), planned("--schedule", "sync"), planned("--in-flight", "8")
     assert [p["settings"]["in_flight"] for p in (default, sync, window)] == [4, 4, 8]
@@ -111,8 +115,8 @@ def test_the_plan_keeps_the_micro_batches_in_flight_that_the_schedule_does(tmp_p
     assert recipe("--schedule", "async", "--max-staleness", "2", "--micro-batches", "3").in_flight_limit == 3
     activations = [sum(s["activation_bytes"] for s in r["stages"]) for r in (default, window)]
     assert activations[1] > 1.3 * activations[0], activations  # all but the last stage keep twice as many
-    bad = ravn_plan("--model", str(tmp_path), *peers, "--schedule", "gpipe")
-    assert bad.returncode == 2 and "unknown schedule 'gpipe'" in bad.stderr, bad.stderr
+    bad = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), *peers, "--schedule", "gpipe"])
+    assert bad.exit_code == 2 and "unknown schedule 'gpipe'" in bad.output, bad.output
 
 
 def test_no_fit_is_one_line_with_the_memory_needed_and_exit_code_1() -> None:
