@@ -303,10 +303,10 @@ def _train_params(
         str | None,
         typer.Option(
             help="'async' (bounded staleness: fills the pipeline's bubbles; the default for a checkpoint's LoRA "
-            "fine-tuning, S = 1 with --micro-batches in flight: +0.85% against sync, 1.32-1.36x its tokens/s at 10-50 "
+            "fine-tuning, S = 1 with --micro-batches in flight: +0.00% against sync, 1.32-1.36x its tokens/s at 10-50 "
             "Mbit/s with a core per peer) or 'sync' (GPipe, the exact reference; the default from scratch, where async "
-            "costs +2.5% at the constant lr and +1.4% with --lr-decay cosine over 600 steps of gpt-medium; "
-            "docs/BENCHMARKS.md, 'Async the default').",
+            "costs +1.9% at the constant lr (two seeds of four over 2%) and +1.4% with --lr-decay cosine over 600 "
+            "steps of gpt-medium; docs/BENCHMARKS.md, 'Async the default').",
             callback=lambda v: v if v is None else check_choice(v, SCHEDULES, "schedule"),
             show_default=False,
         ),
@@ -331,7 +331,7 @@ def _train_params(
             help="Async: micro-batches in the pipeline at once (default: --micro-batches, sync's activation memory; "
             "0: (S+1) x micro-batches, those that would come back 2+ versions late only while the measured pipeline "
             "needs them). The default cost less loss than 0 (+1.4% against +2.9% over 600 steps of gpt-medium, "
-            "+0.85% against +1.3% in LoRA fine-tuning) at less speed on shared cores (docs/BENCHMARKS.md).",
+            "+0.00% against +1.3% in LoRA fine-tuning) at less speed on shared cores (docs/BENCHMARKS.md).",
         ),
     ] = None,
     grad_clip: Annotated[
