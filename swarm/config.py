@@ -232,9 +232,10 @@ class TrainConfig:
     def shrinks_late_steps(self) -> bool:
         """Whether a step's lr is capped by its gradients' lateness (``stage_runner.staleness_lr_scale``). That cap
         halved async's cost on gpt-small's full window, but under the in-flight cap at K (async's default) it cost
-        loss at the constant lr: without it 300 steps of LoRA fine-tuning and 600 of gpt-medium from scratch ended
-        lower on every seed (docs/BENCHMARKS.md, "The lateness cap under the in-flight cap"). The full window keeps
-        it, and so does the cosine decay, measured only with it."""
+        loss at the constant lr: without it 300 steps of LoRA fine-tuning ended lower on every seed (at sync's loss)
+        and 600 of gpt-medium from scratch on three seeds of four, the fourth a tie (docs/BENCHMARKS.md, "The
+        lateness cap in LoRA fine-tuning"). The full window keeps it, and so does the cosine decay, measured only
+        with it."""
         return self.in_flight_limit > self.micro_batches or self.lr_decay_steps > 0
 
     def lr_at(self, step: int) -> float:

@@ -286,7 +286,7 @@ def test_a_stage_steps_at_the_rate_its_gradients_lateness_allows() -> None:
 
 def test_under_the_in_flight_cap_at_k_a_late_step_takes_the_schedules_rate() -> None:
     """#20: under async's default cap of K micro-batches in flight the lateness cap on the lr cost loss at the
-    constant lr (docs/BENCHMARKS.md, "The lateness cap under the in-flight cap"), so there a late step is not
+    constant lr (docs/BENCHMARKS.md, "The lateness cap in LoRA fine-tuning"), so there a late step is not
     shrunk; the full window and the cosine decay, measured with the cap, keep it."""
     torch.manual_seed(0)
     r = runner(s=1, max_in_flight=1)
